@@ -1,0 +1,84 @@
+"""State drift (DeltaS, Eq. 3): how far one chunk moved the Gated DeltaNet recurrent states.
+
+    drift(c) = 1/L * sum_i ||S_after^i - S_before^i||_F / ||S_before^i||_F
+
+over the L linear-attention layers, each norm over the layer's whole state (all heads), in float32.
+The gated delta rule writes only the residual between a token's value and what the decayed state
+already retrieves for its key, so a chunk that moves the state a lot brought something new.
+
+First chunk: before it the state is all zeros and the ratio is undefined. We define the change of a
+layer whose previous state is zero as 1.0 (its whole state is new; equivalently the difference is
+normalised by the new state's norm), and 0.0 when both are zero. The first chunk is the oldest
+candidate and sits in the first temporal bucket, so its exact score rarely matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def state_drift(
+    before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]
+) -> tuple[float, list[float]]:
+    """Mean and per-layer normalized state drift.
+
+    before, after: one recurrent state per linear-attention layer, any shape, e.g. Qwen3.5's
+    (batch, value_heads, key_dim, value_dim); the pairs must match in shape.
+    Returns (mean over layers, [ratio per layer]).
+    """
+    if len(before) != len(after) or not before:
+        raise ValueError(f"need matching, non-empty state lists, got {len(before)}/{len(after)}")
+    ratios = torch.stack([_layer_drift(b, a) for b, a in zip(before, after)])
+    per_layer = ratios.tolist()  # one device sync for all layers
+    return sum(per_layer) / len(per_layer), per_layer
+
+
+def _layer_drift(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """||after - before||_F / ||before||_F as a 0-d float32 tensor (first-chunk rule above)."""
+    if before.shape != after.shape:
+        raise ValueError(f"state shapes differ: {tuple(before.shape)} vs {tuple(after.shape)}")
+    before, after = before.float(), after.float()
+    change = torch.linalg.vector_norm(after - before)
+    reference = torch.linalg.vector_norm(before)
+    fresh = torch.linalg.vector_norm(after)
+    return torch.where(
+        reference > 0,
+        change / reference.clamp_min(torch.finfo(torch.float32).tiny),
+        torch.where(fresh > 0, torch.ones_like(change), torch.zeros_like(change)),
+    )
+
+
+def write_strength(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    normalize_keys: bool = True,
+) -> torch.Tensor:
+    """beta_t * ||v_t - alpha_t S_{t-1} k_t|| per token: the baseline signal beta*||e||.
+
+    Replays the gated delta rule token by token (the residual is not a by-product of the chunked
+    kernel, which is why this signal costs ~100x more than state drift).
+    key: (B, n, Hk, dk), value: (B, n, Hv, dv), g (log alpha), beta: (B, n, Hv),
+    initial_state: (B, Hv, dk, dv) or None. Returns (B, n), averaged over value heads.
+    """
+    heads = value.shape[2]
+    key = key.float().repeat_interleave(heads // key.shape[2], dim=2)
+    if normalize_keys:
+        key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
+    value, g, beta = value.float(), g.float(), beta.float()
+    batch, length, _, dk = key.shape
+    state = (torch.zeros(batch, heads, dk, value.shape[-1], device=value.device)
+             if initial_state is None else initial_state.float().clone())
+    strength = torch.empty(batch, length, device=value.device)
+    for t in range(length):
+        k_t, v_t = key[:, t], value[:, t]  # (B, H, dk), (B, H, dv)
+        state = state * g[:, t].exp()[..., None, None]
+        residual = v_t - torch.einsum("bhkv,bhk->bhv", state, k_t)
+        written = beta[:, t, :, None] * residual
+        state = state + k_t[..., :, None] * written[..., None, :]
+        strength[:, t] = written.norm(dim=-1).mean(-1)
+    return strength

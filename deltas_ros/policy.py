@@ -1,0 +1,269 @@
+"""Which KV cache slots to keep: one selection rule (Algorithm 1), many retention signals.
+
+Every policy shares the same budget M, attention sinks, recent window and temporal buckets; only
+the per-token score differs (the paper's controlled comparison, Table 2):
+
+    keep = sinks (first n_s slots) + window (last n_w slots)
+           + per temporal bucket of the rest, the highest-scored slots up to an equal share.
+
+Decisions the paper leaves open (see deltas-spec.md):
+- Buckets are N equal spans of *stream time* (chunk arrival time), not of slot count.
+- Each bucket's share is (M - n_s - n_w) // N; the remainder goes to the newest buckets.
+- Ties go to the newer chunk (then the later slot).
+- A bucket with fewer candidates than its share leaves spare budget; the spare goes to the best
+  remaining candidates of any bucket, so the cache holds exactly M slots after every eviction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+POLICY_NAMES = ("deltas", "recency", "uniform", "random", "value_norm", "key_norm",
+                "write_strength")
+
+
+def select_keep(
+    times: torch.Tensor,
+    scores: torch.Tensor,
+    budget: int,
+    sinks: int = 4,
+    window: int = 1024,
+    buckets: int = 4,
+) -> torch.LongTensor:
+    """Sorted cache-slot indices to keep: exactly min(T, budget) of them.
+
+    times:  (T,) arrival time of each slot's chunk, non-decreasing in slot order
+    scores: (T,) retention score of each slot (higher is kept first; NaN counts as lowest)
+    """
+    total = times.numel()
+    _check_args(total, scores.numel(), budget, sinks, window, buckets)
+    device = times.device
+    if total <= budget:
+        return torch.arange(total, device=device)
+    candidates = torch.arange(sinks, total - window, device=device)
+    cand_times, cand_scores = times[candidates], scores[candidates].float().nan_to_num(-math.inf)
+    bucket = _bucket_of(cand_times, buckets)
+    shares = _shares(budget - sinks - window, buckets, device)
+
+    # Best-first inside each bucket: sort best-first overall, then stably group by bucket.
+    order = _best_first(cand_scores, cand_times)
+    order = order[torch.sort(bucket[order], stable=True).indices]
+    counts = torch.bincount(bucket, minlength=buckets)
+    starts = torch.cumsum(counts, 0) - counts
+    ordered_bucket = bucket[order]
+    rank = torch.arange(order.numel(), device=device) - starts[ordered_bucket]
+    in_share = rank < shares[ordered_bucket]
+    kept, rest = order[in_share], order[~in_share]
+
+    spare = budget - sinks - window - kept.numel()
+    rest = rest[_best_first(cand_scores[rest], cand_times[rest])][:spare]
+    chosen = candidates[torch.cat([kept, rest])]
+    fixed = torch.cat([torch.arange(sinks, device=device),
+                       torch.arange(total - window, total, device=device)])
+    return torch.sort(torch.cat([fixed, chosen])).values
+
+
+def select_keep_reference(
+    times: Sequence[float], scores: Sequence[float], budget: int,
+    sinks: int = 4, window: int = 1024, buckets: int = 4,
+) -> list[int]:
+    """Slow, obvious version of `select_keep` (loops over slots), for tests."""
+    total = len(times)
+    _check_args(total, len(scores), budget, sinks, window, buckets)
+    if total <= budget:
+        return list(range(total))
+    candidates = list(range(sinks, total - window))
+    lo, hi = min(times[i] for i in candidates), max(times[i] for i in candidates)
+    per_bucket: list[list[int]] = [[] for _ in range(buckets)]
+    for i in candidates:
+        b = 0 if hi == lo else min(buckets - 1, int((times[i] - lo) / (hi - lo) * buckets))
+        per_bucket[b].append(i)
+
+    def best_first(slots: list[int]) -> list[int]:
+        def key(i: int) -> tuple[float, float, int]:
+            s = scores[i]
+            return (-math.inf if math.isnan(s) else s, times[i], i)
+        return sorted(slots, key=key, reverse=True)
+
+    free = budget - sinks - window
+    base, extra = divmod(free, buckets)
+    kept, rest = [], []
+    for b, slots in enumerate(per_bucket):
+        share = base + (1 if b >= buckets - extra else 0)
+        ranked = best_first(slots)
+        kept += ranked[:share]
+        rest += ranked[share:]
+    kept += best_first(rest)[:free - len(kept)]
+    return sorted(list(range(sinks)) + kept + list(range(total - window, total)))
+
+
+def _check_args(total: int, n_scores: int, budget: int, sinks: int, window: int,
+                buckets: int) -> None:
+    if n_scores != total:
+        raise ValueError(f"{total} times but {n_scores} scores")
+    if min(sinks, window) < 0 or buckets < 1:
+        raise ValueError("sinks and window must be >= 0 and buckets >= 1")
+    if budget < sinks + window:
+        raise ValueError(f"budget {budget} must hold the sinks ({sinks}) + window ({window})")
+
+
+def _bucket_of(times: torch.Tensor, buckets: int) -> torch.LongTensor:
+    """Index of the equal stream-time span each time falls in."""
+    lo, hi = times.min(), times.max()
+    if hi <= lo:
+        return torch.zeros_like(times, dtype=torch.long)
+    fraction = (times.double() - lo.double()) / (hi.double() - lo.double())
+    return (fraction * buckets).long().clamp_(max=buckets - 1)
+
+
+def _shares(free: int, buckets: int, device: torch.device) -> torch.LongTensor:
+    base, extra = divmod(free, buckets)
+    shares = torch.full((buckets,), base, dtype=torch.long, device=device)
+    shares[buckets - extra:] += 1  # the remainder goes to the newest buckets
+    return shares
+
+
+def _best_first(scores: torch.Tensor, times: torch.Tensor) -> torch.LongTensor:
+    """Permutation ordering by score, then time, then slot, all descending."""
+    order = torch.arange(scores.numel() - 1, -1, -1, device=scores.device)
+    order = order[torch.sort(times[order], descending=True, stable=True).indices]
+    return order[torch.sort(scores[order], descending=True, stable=True).indices]
+
+
+@dataclass
+class ChunkSignals:
+    """What a retention policy may score a freshly prefilled chunk by.
+
+    keys, values: the chunk's new cache entries, one (B, kv_heads, n, head_dim) tensor per
+    full-attention layer. write_strength: mean beta_t * ||v_t - alpha_t S_{t-1} k_t|| over the
+    chunk's tokens, linear layers and heads; only computed for policies that ask for it.
+    """
+
+    index: int
+    num_tokens: int
+    drift: float
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    write_strength: float | None = None
+
+
+class RetentionPolicy:
+    """A per-token score for each new chunk; `select_keep` does the rest.
+
+    buckets: None = the memory's setting; a policy may pin it (recency uses one bucket).
+    """
+
+    name = ""
+    buckets: int | None = None
+    needs_write_strength = False
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        """(num_tokens,) float32 scores for the chunk's tokens."""
+        raise NotImplementedError
+
+
+class DeltaSPolicy(RetentionPolicy):
+    """State drift: every token of a chunk gets the chunk's drift."""
+
+    name = "deltas"
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return torch.full((chunk.num_tokens,), chunk.drift)
+
+
+class RecencyPolicy(RetentionPolicy):
+    """Sliding window: one bucket scored by arrival, so the newest M - n_s slots stay."""
+
+    name = "recency"
+    buckets = 1
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return torch.full((chunk.num_tokens,), float(chunk.index))
+
+
+class UniformPolicy(RetentionPolicy):
+    """Evenly spaced chunks: the van der Corput number of the chunk index as score.
+
+    The top-k of that low-discrepancy sequence over any range of indices is spread evenly across
+    the range, and it stays so as chunks arrive and are evicted.
+    """
+
+    name = "uniform"
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return torch.full((chunk.num_tokens,), _van_der_corput(chunk.index + 1))
+
+
+class RandomPolicy(RetentionPolicy):
+    """A seeded random score per chunk (reproducible for a given seed and chunk index)."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + chunk.index)
+        return torch.full((chunk.num_tokens,), torch.rand((), generator=gen).item())
+
+
+class ValueNormPolicy(RetentionPolicy):
+    """VaN: per-token value norm, averaged over full-attention layers and KV heads."""
+
+    name = "value_norm"
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return _mean_token_norm(chunk.values)
+
+
+class KeyNormPolicy(RetentionPolicy):
+    """Per-token key norm (post-rotary), averaged over full-attention layers and KV heads."""
+
+    name = "key_norm"
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return _mean_token_norm(chunk.keys)
+
+
+class WriteStrengthPolicy(RetentionPolicy):
+    """beta * ||e||: the gated delta rule's token-level write strength, averaged per chunk."""
+
+    name = "write_strength"
+    needs_write_strength = True
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return torch.full((chunk.num_tokens,), float(chunk.write_strength))
+
+
+def make_policy(name: str, seed: int = 0) -> RetentionPolicy:
+    """The retention policy called `name` (one of POLICY_NAMES)."""
+    policies = {
+        "deltas": DeltaSPolicy, "recency": RecencyPolicy, "uniform": UniformPolicy,
+        "value_norm": ValueNormPolicy, "key_norm": KeyNormPolicy,
+        "write_strength": WriteStrengthPolicy,
+    }
+    if name == "random":
+        return RandomPolicy(seed)
+    if name not in policies:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return policies[name]()
+
+
+def _mean_token_norm(per_layer: list[torch.Tensor]) -> torch.Tensor:
+    """(B, H, n, d) per layer -> (n,) mean L2 norm over layers and heads (batch 0)."""
+    norms = torch.stack([t[0].float().norm(dim=-1).mean(0) for t in per_layer])
+    return norms.mean(0).cpu()
+
+
+def _van_der_corput(n: int) -> float:
+    """n-th element of the base-2 van der Corput sequence (bit-reversed fraction)."""
+    value, denom = 0.0, 1.0
+    while n:
+        denom *= 2
+        value += (n & 1) / denom
+        n >>= 1
+    return value
