@@ -18,13 +18,18 @@ from tokenizers import pre_tokenizers
 from transformers import (
     AutoModelForImageTextToText,
     AutoTokenizer,
+    Qwen2VLImageProcessor,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5Tokenizer,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-# Offsets of Qwen's special tokens from <|vision_start|>, as in the released Qwen2.5/3/3.5 vocabularies.
+from .chunks import DEFAULT_PIXEL_BUDGET
+
+# Offsets of Qwen's special tokens from <|vision_start|>, as in Qwen2.5/3/3.5's vocabularies.
 SPECIAL_TOKEN_OFFSETS = {
     "<|endoftext|>": -9,
     "<|im_start|>": -8,
@@ -256,5 +261,23 @@ def make_model(
     init_decay_like_trained(model, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    make_tokenizer(config.vision_start_token_id).save_pretrained(out_dir)
+    tokenizer = make_tokenizer(config.vision_start_token_id)
+    tokenizer.save_pretrained(out_dir)
+    make_processor(tokenizer, config).save_pretrained(out_dir)
     return out_dir
+
+
+def make_processor(
+    tokenizer: Qwen3_5Tokenizer, config: Qwen3_5Config, pixel_budget: int = DEFAULT_PIXEL_BUDGET
+) -> Qwen3VLProcessor:
+    """Qwen3-VL's official processor for this model, sized to `pixel_budget` pixels per frame."""
+    vision = config.vision_config
+    geometry = dict(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                    temporal_patch_size=vision.temporal_patch_size,
+                    image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    video = Qwen3VLVideoProcessor(
+        size={"shortest_edge": 32 * 32, "longest_edge": pixel_budget * vision.temporal_patch_size},
+        fps=2, do_sample_frames=False, cap_pixels_per_frame=False, **geometry,
+    )
+    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**geometry),
+                            tokenizer=tokenizer, video_processor=video)

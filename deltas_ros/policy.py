@@ -50,7 +50,7 @@ def select_keep(
     shares = _shares(budget - sinks - window, buckets, device)
 
     # Best-first inside each bucket: sort best-first overall, then stably group by bucket.
-    order = _best_first(cand_scores, cand_times)
+    order = _best_first(cand_scores, cand_times, candidates)
     order = order[torch.sort(bucket[order], stable=True).indices]
     counts = torch.bincount(bucket, minlength=buckets)
     starts = torch.cumsum(counts, 0) - counts
@@ -60,7 +60,7 @@ def select_keep(
     kept, rest = order[in_share], order[~in_share]
 
     spare = budget - sinks - window - kept.numel()
-    rest = rest[_best_first(cand_scores[rest], cand_times[rest])][:spare]
+    rest = rest[_best_first(cand_scores[rest], cand_times[rest], candidates[rest])][:spare]
     chosen = candidates[torch.cat([kept, rest])]
     fixed = torch.cat([torch.arange(sinks, device=device),
                        torch.arange(total - window, total, device=device)])
@@ -127,9 +127,11 @@ def _shares(free: int, buckets: int, device: torch.device) -> torch.LongTensor:
     return shares
 
 
-def _best_first(scores: torch.Tensor, times: torch.Tensor) -> torch.LongTensor:
-    """Permutation ordering by score, then time, then slot, all descending."""
-    order = torch.arange(scores.numel() - 1, -1, -1, device=scores.device)
+def _best_first(
+    scores: torch.Tensor, times: torch.Tensor, slots: torch.Tensor
+) -> torch.LongTensor:
+    """Permutation ordering by score, then time, then slot index, all descending."""
+    order = torch.sort(slots, descending=True, stable=True).indices
     order = order[torch.sort(times[order], descending=True, stable=True).indices]
     return order[torch.sort(scores[order], descending=True, stable=True).indices]
 

@@ -1,0 +1,41 @@
+"""Shared fixtures: a tiny random Qwen3.5 written once per session, and an isolated ROS domain."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random-init Qwen3.5 saved to disk, loaded by tests through from_pretrained."""
+    from deltas_ros.model import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from deltas_ros.model import load_model
+
+    return load_model(tiny_model_dir, device="cpu")
+
+
+@pytest.fixture
+def ros_env(tmp_path, monkeypatch) -> dict[str, str]:
+    """Environment for ROS processes of one test: its own domain id, log dir, loopback only."""
+    env = {
+        "ROS_DOMAIN_ID": str(random.Random(os.getpid() ^ id(tmp_path)).randint(1, 100)),
+        "ROS_LOG_DIR": str(tmp_path / "ros_log"),
+        "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
+        "FASTDDS_BUILTIN_TRANSPORTS": "LARGE_DATA",
+        "PYTHONUNBUFFERED": "1",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return dict(os.environ)

@@ -1,0 +1,162 @@
+"""select_keep (Algorithm 1's selection) and the retention policies' scores."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltas_ros.policy import (
+    POLICY_NAMES,
+    ChunkSignals,
+    _bucket_of,
+    make_policy,
+    select_keep,
+    select_keep_reference,
+)
+
+
+def stream(chunks: int, tokens: int, seed: int = 0, distinct: bool = False):
+    """Slot times and scores of `chunks` chunks of `tokens` tokens each (one score per chunk)."""
+    rng = random.Random(seed)
+    times, scores = [], []
+    for c in range(chunks):
+        score = rng.random() if distinct else rng.choice([0.1, 0.5, 0.9])
+        times += [c * 1.0] * tokens
+        scores += [score] * tokens
+    return torch.tensor(times, dtype=torch.float64), torch.tensor(scores)
+
+
+def test_keeps_everything_within_budget():
+    times, scores = stream(5, 10)
+    assert select_keep(times, scores, budget=50, sinks=2, window=10).tolist() == list(range(50))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_size_sinks_window_and_order(seed):
+    times, scores = stream(60, 12, seed)
+    keep = select_keep(times, scores, budget=300, sinks=4, window=48, buckets=4)
+    assert keep.numel() == 300
+    assert torch.equal(keep, torch.sort(keep).values) and keep.unique().numel() == 300
+    assert set(range(4)) <= set(keep.tolist())
+    assert set(range(720 - 48, 720)) <= set(keep.tolist())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_dropped_slot_outscores_a_kept_one_within_its_bucket(seed):
+    times, scores = stream(80, 10, seed, distinct=True)
+    sinks, window, buckets = 4, 30, 4
+    keep = set(select_keep(times, scores, 250, sinks, window, buckets).tolist())
+    candidates = torch.arange(sinks, times.numel() - window)
+    bucket = _bucket_of(times[candidates], buckets)
+    for b in range(buckets):
+        slots = candidates[bucket == b].tolist()
+        kept = [scores[i].item() for i in slots if i in keep]
+        dropped = [scores[i].item() for i in slots if i not in keep]
+        if kept and dropped:
+            assert max(dropped) <= min(kept)
+
+
+def test_equal_time_spans_get_equal_shares():
+    times, scores = stream(100, 10, seed=3, distinct=True)
+    keep = select_keep(times, scores, budget=4 + 20 + 400, sinks=4, window=20, buckets=4)
+    candidates = torch.arange(4, 1000 - 20)
+    bucket = _bucket_of(times[candidates], 4)
+    kept_per_bucket = torch.bincount(bucket[torch.isin(candidates, keep)], minlength=4)
+    assert kept_per_bucket.tolist() == [100, 100, 100, 100]
+
+
+def test_spare_budget_of_a_thin_bucket_goes_to_the_best_elsewhere():
+    # Bucket 0 holds one chunk of 5 slots; its share is 25, so 20 slots are spare.
+    times = torch.tensor([0.0] * 5 + [30.0] * 10 + [60.0] * 10 + [90.0] * 10 + [100.0] * 10,
+                         dtype=torch.float64)
+    scores = torch.tensor([0.0] * 5 + [0.9] * 10 + [0.1] * 10 + [0.5] * 10 + [0.0] * 10)
+    keep = select_keep(times, scores, budget=35, sinks=0, window=10, buckets=4)
+    assert keep.numel() == 35  # exactly the budget despite the thin bucket
+    assert set(range(5)) <= set(keep.tolist())  # the thin bucket keeps all it has
+
+
+def test_ties_go_to_the_newer_chunk():
+    times, _ = stream(20, 5)
+    scores = torch.zeros(100)
+    keep = select_keep(times, scores, budget=40, sinks=0, window=0, buckets=1)
+    assert keep.tolist() == list(range(60, 100))
+
+
+def test_nan_scores_count_as_lowest():
+    times, scores = stream(20, 5, distinct=True)
+    scores[50:55] = float("nan")
+    keep = select_keep(times, scores, budget=40, sinks=0, window=0, buckets=1)
+    assert not set(range(50, 55)) & set(keep.tolist())
+
+
+def test_deterministic():
+    times, scores = stream(50, 9, seed=7)
+    first = select_keep(times, scores, 200, 4, 20, 4)
+    assert all(torch.equal(first, select_keep(times, scores, 200, 4, 20, 4)) for _ in range(3))
+
+
+def test_rejects_a_budget_smaller_than_sinks_plus_window():
+    times, scores = stream(10, 10)
+    with pytest.raises(ValueError, match="budget"):
+        select_keep(times, scores, budget=10, sinks=4, window=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    chunk_sizes=st.lists(st.integers(1, 12), min_size=1, max_size=40),
+    scores=st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0]), min_size=40, max_size=40),
+    budget_extra=st.integers(0, 100),
+    sinks=st.integers(0, 6),
+    window=st.integers(0, 30),
+    buckets=st.integers(1, 6),
+)
+def test_fast_path_equals_reference(chunk_sizes, scores, budget_extra, sinks, window, buckets):
+    times = [float(c) for c, size in enumerate(chunk_sizes) for _ in range(size)]
+    slot_scores = [scores[c] for c, size in enumerate(chunk_sizes) for _ in range(size)]
+    budget = sinks + window + budget_extra
+    fast = select_keep(torch.tensor(times, dtype=torch.float64), torch.tensor(slot_scores),
+                       budget, sinks, window, buckets)
+    assert fast.tolist() == select_keep_reference(times, slot_scores, budget, sinks, window,
+                                                  buckets)
+    assert fast.numel() == min(len(times), budget)
+
+
+def signals(index: int, n: int = 6) -> ChunkSignals:
+    gen = torch.Generator().manual_seed(index)
+    kv = [torch.randn(1, 2, n, 8, generator=gen) for _ in range(2)]
+    return ChunkSignals(index=index, num_tokens=n, drift=0.1 * index, keys=kv,
+                        values=[2 * t for t in kv], write_strength=0.5)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_scores_every_token(name):
+    scores = make_policy(name).score(signals(3))
+    assert scores.shape == (6,) and scores.dtype == torch.float32
+    assert torch.isfinite(scores).all()
+
+
+def test_chunk_level_policies_give_one_score_per_chunk():
+    for name in ("deltas", "recency", "uniform", "random", "write_strength"):
+        assert make_policy(name).score(signals(5)).unique().numel() == 1
+
+
+def test_random_policy_is_seeded():
+    a, b, c = make_policy("random", seed=1), make_policy("random", seed=1), make_policy("random", 2)
+    assert torch.equal(a.score(signals(4)), b.score(signals(4)))
+    assert not torch.equal(a.score(signals(4)), c.score(signals(4)))
+
+
+def test_uniform_policy_spreads_kept_chunks_evenly():
+    policy = make_policy("uniform")
+    times = torch.arange(64, dtype=torch.float64)
+    scores = torch.cat([policy.score(signals(i, n=1)) for i in range(64)])
+    kept = select_keep(times, scores, budget=8, sinks=0, window=0, buckets=1)
+    gaps = torch.diff(kept)
+    assert gaps.min() == gaps.max() == 8
+
+
+def test_unknown_policy_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="deltas"):
+        make_policy("oracle")
