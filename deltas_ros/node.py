@@ -1,0 +1,325 @@
+"""`deltas_memory`: the ROS 2 node. Camera in, DeltaS memory inside, answers and health out.
+
+A thin adapter over the ROS-free core:
+    camera callback -> FrameSampler (by header stamp) -> decode only sampled frames -> MemoryWorker
+    ~/ask_memory (AskMemory), ~/reset_memory (std_srvs/Trigger) -> MemoryWorker, between chunks
+    MemoryWorker -> ~/drift (DriftScore, one per chunk); 1 Hz timer -> /diagnostics
+
+Callback groups: the camera and the diagnostics timer each have their own mutually exclusive
+group, the services a reentrant one, all on a MultiThreadedExecutor, so a question waiting for
+the model never blocks frames (which never wait for the model either).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import rclpy
+from builtin_interfaces.msg import Time
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import (
+    FloatingPointRange,
+    IntegerRange,
+    ParameterDescriptor,
+    SetParametersResult,
+)
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.event_handler import SubscriptionEventCallbacks
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from sensor_msgs.msg import CompressedImage, Image
+from std_msgs.msg import Header
+from std_srvs.srv import Trigger
+
+from . import params
+from .frames import (
+    FrameError,
+    FrameSampler,
+    SampledChunk,
+    TimeEvent,
+    decode_compressed,
+    decode_raw,
+    stamp_to_seconds,
+)
+from .memory import ChunkResult, StreamingMemory
+from .model import load_model
+from .msg import DriftScore
+from .srv import AskMemory
+from .worker import MemoryWorker
+
+ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or question
+
+
+def to_time_msg(seconds: float) -> Time:
+    sec = int(seconds // 1)
+    return Time(sec=sec, nanosec=min(int(round((seconds - sec) * 1e9)), 999_999_999))
+
+
+class MemoryNode(Node):
+    """The DeltaS memory as a ROS 2 node (see the module docstring for the data flow)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__("deltas_memory", **kwargs)
+        self.values = self._declare_parameters()
+        problem = params.validate(self.values)
+        if problem:
+            raise ValueError(problem)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+
+        p = self.values
+        loaded = load_model(p["model_path"], p["device"], p["dtype"])
+        self.get_logger().info(
+            f"loaded {loaded.path} on {loaded.device} ({str(loaded.dtype)[6:]}, "
+            f"gated delta kernels: {'fla' if loaded.fla_kernels else 'torch'})"
+        )
+        self.memory = StreamingMemory(loaded, params.memory_config(p))
+        self.sampler = FrameSampler(p["fps"], p["frames_per_chunk"], p["max_gap_s"])
+        self.frame_id = ""
+        self.bad_frames = 0
+        self.last_bad_frame = ""
+        self.frames_at_last_report = 0
+        self.last_frame_wall = 0.0
+        self.started_wall = time.monotonic()
+        self.last_result: ChunkResult | None = None
+        self.stats = self.memory.stats()  # refreshed by the worker after each chunk
+        self.latencies_ms: list[float] = []
+
+        self.drift_pub = self.create_publisher(DriftScore, "~/drift", 10)
+        self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.worker = MemoryWorker(self.memory, self._on_chunk_done, p["queue_chunks"])
+
+        services = ReentrantCallbackGroup()
+        self.create_service(AskMemory, "~/ask_memory", self._ask, callback_group=services)
+        self.create_service(Trigger, "~/reset_memory", self._reset, callback_group=services)
+        self.create_timer(1.0, self._publish_diagnostics,
+                          callback_group=MutuallyExclusiveCallbackGroup())
+        self._subscribe_camera()
+
+    # ----------------------------------------------------------------------------- parameters
+    def _declare_parameters(self) -> dict[str, Any]:
+        for param in params.PARAMS:
+            descriptor = ParameterDescriptor(description=param.description,
+                                             read_only=param.read_only)
+            if isinstance(param.default, float) and param.low is not None:
+                descriptor.floating_point_range = [
+                    FloatingPointRange(from_value=param.low, to_value=param.high)]
+            elif isinstance(param.default, int) and not isinstance(param.default, bool) \
+                    and param.low is not None:
+                descriptor.integer_range = [
+                    IntegerRange(from_value=int(param.low), to_value=int(param.high))]
+            if param.choices:
+                descriptor.additional_constraints = "one of: " + ", ".join(param.choices)
+            self.declare_parameter(param.name, param.default, descriptor)
+        return {p.name: self.get_parameter(p.name).value for p in params.PARAMS}
+
+    def _on_set_parameters(self, changes) -> SetParametersResult:
+        proposed = dict(self.values) | {c.name: c.value for c in changes}
+        problem = params.validate(proposed)
+        if problem:
+            return SetParametersResult(successful=False, reason=problem)
+        self.values = proposed
+        self.memory.config.max_new_tokens = proposed["max_new_tokens"]
+        return SetParametersResult(successful=True)
+
+    # ----------------------------------------------------------------------------- camera
+    def _subscribe_camera(self) -> None:
+        p = self.values
+        qos = (QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+               if p["reliable_qos"] else qos_profile_sensor_data)
+        events = SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible_qos)
+        msg_type = CompressedImage if p["compressed"] else Image
+        self.create_subscription(
+            msg_type, p["image_topic"], self._on_frame, qos, event_callbacks=events,
+            callback_group=MutuallyExclusiveCallbackGroup(),
+        )
+        self.get_logger().info(
+            f"listening to {self.resolve_topic_name(p['image_topic'])} "
+            f"({msg_type.__name__}, {'reliable' if p['reliable_qos'] else 'sensor-data'} QoS)"
+        )
+
+    def _on_incompatible_qos(self, event) -> None:
+        self.get_logger().error(
+            f"camera QoS incompatible with ours (policy {event.last_policy_kind}): no frames "
+            "will arrive. A best-effort camera needs reliable_qos:=false (the default); "
+            "check durability and reliability of the publisher"
+        )
+
+    def _on_frame(self, msg: Image | CompressedImage) -> None:
+        """Runs for every camera frame: cheap unless the frame is sampled."""
+        self.last_frame_wall = time.monotonic()
+        stamp = stamp_to_seconds(msg.header.stamp.sec, msg.header.stamp.nanosec)
+        event = self.sampler.observe(stamp)
+        if event is TimeEvent.JUMP_BACK:
+            self.get_logger().warn(
+                f"camera stamps jumped back to {stamp:.3f} (a looped bag or a reset clock): "
+                "starting a new stream, the memory is reset")
+            self.worker.request_reset()
+        elif event is TimeEvent.GAP:
+            self.get_logger().warn(
+                f"no frames for more than {self.sampler.max_gap_s:.1f} s of stamp time: "
+                "new segment, memory kept")
+        if not self.sampler.wants(stamp):
+            return
+        try:
+            if isinstance(msg, CompressedImage):
+                frame = decode_compressed(msg.format, msg.data)
+            else:
+                frame = decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data,
+                                   bool(msg.is_bigendian))
+        except FrameError as error:
+            self.bad_frames += 1
+            self.last_bad_frame = str(error)
+            self.get_logger().warn(f"dropped a camera frame: {error}",
+                                   throttle_duration_sec=5.0)
+            return
+        self.frame_id = msg.header.frame_id
+        chunk = self.sampler.add(frame, stamp)
+        if chunk is not None and self.worker.submit_chunk(chunk):
+            self.get_logger().warn(
+                "the model is slower than the stream: dropped the oldest waiting chunk(s) "
+                f"({self.worker.counters.chunks_dropped} so far)", throttle_duration_sec=5.0)
+
+    def _on_chunk_done(self, chunk: SampledChunk, result: ChunkResult) -> None:
+        """Worker thread: publish the chunk's drift."""
+        self.last_result = result
+        self.stats = self.memory.stats()
+        self.latencies_ms = (self.latencies_ms + [
+            result.forward_ms + result.signal_ms + result.evict_ms])[-30:]
+        msg = DriftScore()
+        msg.header.stamp = to_time_msg(chunk.stamps[-1])
+        msg.header.frame_id = self.frame_id
+        msg.chunk_index = chunk.index
+        msg.stream_time = result.time
+        msg.drift = result.drift
+        msg.layer_drift = [float(x) for x in result.layer_drift]
+        msg.chunk_tokens = result.chunk_tokens
+        msg.kv_tokens = result.kv_tokens
+        msg.evicted_tokens = result.evicted_tokens
+        msg.forward_ms = result.forward_ms
+        msg.signal_ms = result.signal_ms
+        msg.evict_ms = result.evict_ms
+        self.drift_pub.publish(msg)
+
+    # ----------------------------------------------------------------------------- services
+    def _ask(self, request: AskMemory.Request, response: AskMemory.Response):
+        start = time.perf_counter()
+        question = request.question
+        limit = self.values["max_question_chars"]
+        if not question.strip():
+            response.error = "the question is empty"
+        elif len(question) > limit:
+            response.error = f"the question has {len(question)} characters; the limit is {limit}"
+        else:
+            try:
+                answer = self.worker.ask(question, request.max_new_tokens or None,
+                                         self.values["ask_timeout_s"])
+            except (RuntimeError, TimeoutError) as error:
+                response.error = str(error)
+            else:
+                response.success = True
+                response.answer = answer.text
+                response.evidence_times = answer.evidence_times
+                response.evidence_stamps = [to_time_msg(s) for s in answer.evidence_stamps
+                                            if s is not None]
+                response.memory_tokens = answer.memory_tokens
+                response.memory_span_start = answer.span_start
+                response.memory_span_end = answer.span_end
+        response.latency_ms = (time.perf_counter() - start) * 1e3
+        if not response.success:
+            self.get_logger().warn(f"question refused: {response.error}")
+        return response
+
+    def _reset(self, _request: Trigger.Request, response: Trigger.Response):
+        try:
+            self.worker.reset(self.values["ask_timeout_s"])
+            self.sampler.reset()
+        except (RuntimeError, TimeoutError) as error:
+            response.message = str(error)
+        else:
+            response.success, response.message = True, "memory reset"
+        return response
+
+    # ----------------------------------------------------------------------------- health
+    def _publish_diagnostics(self) -> None:
+        counters, sampler, result = self.worker.counters, self.sampler, self.last_result
+        stats = self.stats
+        now = time.monotonic()
+        frames_per_s = sampler.received - self.frames_at_last_report
+        self.frames_at_last_report = sampler.received
+        latency = sorted(self.latencies_ms)[len(self.latencies_ms) // 2] \
+            if self.latencies_ms else 0.0
+        seconds_per_chunk = self.values["frames_per_chunk"] / self.values["fps"]
+        level, message = DiagnosticStatus.OK, "ok"
+        silent_s = now - (self.last_frame_wall or self.started_wall)
+        if counters.last_error and now - counters.last_error_time < ERROR_HOLD_S:
+            level, message = DiagnosticStatus.ERROR, counters.last_error
+        elif silent_s > self.values["silence_warn_s"]:
+            level, message = DiagnosticStatus.WARN, f"no camera frames for {silent_s:.0f} s"
+        elif self.worker.queue_depth >= self.values["queue_chunks"] or counters.chunks_dropped:
+            level, message = DiagnosticStatus.WARN, "model slower than real time: chunks dropped"
+        elif self.bad_frames:
+            level, message = DiagnosticStatus.WARN, f"bad frames: {self.last_bad_frame}"
+        values = {
+            "input_rate_hz": f"{frames_per_s:.1f}",
+            "frames_received": sampler.received,
+            "frames_sampled": sampler.sampled,
+            "frames_dropped": sampler.dropped_frames,
+            "frames_bad": self.bad_frames,
+            "time_jumps_back": sampler.time_jumps_back,
+            "time_gaps": sampler.time_gaps,
+            "chunks_processed": counters.chunks_processed,
+            "chunks_dropped": counters.chunks_dropped,
+            "chunks_failed": counters.chunks_failed,
+            "questions_answered": counters.questions_answered,
+            "questions_failed": counters.questions_failed,
+            "queue_depth": self.worker.queue_depth,
+            "kv_tokens": stats.kv_tokens,
+            "budget_tokens": self.memory.config.budget_tokens,
+            "memory_bytes": stats.kv_bytes + stats.state_bytes,
+            "position": f"{stats.next_position}/{stats.max_positions}",
+            "chunk_latency_ms": f"{latency:.1f}",
+            "real_time_factor": f"{latency / 1e3 / seconds_per_chunk:.3f}",
+            "last_drift": f"{result.drift:.5f}" if result else "",
+            "device": str(self.memory.device),
+            "model": str(self.memory.loaded.path),
+            "policy": self.memory.config.policy,
+        }
+        status = DiagnosticStatus(
+            level=level, name=f"{self.get_name()}: video memory", message=message,
+            hardware_id=str(self.memory.device),
+            values=[KeyValue(key=k, value=str(v)) for k, v in values.items()],
+        )
+        self.diag_pub.publish(DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()),
+                                              status=[status]))
+
+    def destroy_node(self) -> None:
+        self.worker.stop()
+        super().destroy_node()
+
+
+def main(args: list[str] | None = None) -> int:
+    rclpy.init(args=args)
+    try:
+        node = MemoryNode()
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as error:
+        rclpy.logging.get_logger("deltas_memory").fatal(f"cannot start: {error}")
+        rclpy.try_shutdown()
+        return 1
+    executor = MultiThreadedExecutor(num_threads=8)
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The node's parameters in one table: defaults, descriptions, ranges, and their validation.
+
+The node declares every parameter from this table, config/deltas.yaml lists the same defaults
+(test_params.py checks it), and `validate` refuses bad values with a reason a user can act on.
+No rclpy here, so the rules are tested without a ROS graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .chunks import DEFAULT_PIXEL_BUDGET
+from .memory import MemoryConfig
+from .policy import POLICY_NAMES
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter. Ranges are inclusive; read_only ones take effect only at start-up."""
+
+    name: str
+    default: Any
+    description: str
+    read_only: bool = True
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+
+
+PARAMS: tuple[Param, ...] = (
+    Param("image_topic", "/camera/image_raw",
+          "Camera topic: sensor_msgs/Image, or sensor_msgs/CompressedImage when compressed"),
+    Param("compressed", False, "Subscribe to sensor_msgs/CompressedImage (JPEG/PNG)"),
+    Param("reliable_qos", False,
+          "Reliable QoS instead of sensor-data (best effort, REP 2003). Best effort over "
+          "Fast DDS's default transports loses large frames: set "
+          "FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA or use reliable"),
+    Param("fps", 2.0, "Frames sampled per second of stream time (by header stamp)",
+          low=0.1, high=30.0),
+    Param("frames_per_chunk", 2,
+          "Sampled frames per chunk (a multiple of the model's temporal patch, 2)",
+          low=2, high=16),
+    Param("pixel_budget", DEFAULT_PIXEL_BUDGET,
+          "Pixels per frame after resizing (aspect kept); 320x320 gives ~100 tokens per chunk",
+          low=32 * 32, high=4096 * 4096),
+    Param("model_path", "", "Local directory of a Qwen3.5 model (never fetched from a hub)"),
+    Param("device", "auto", "auto (CUDA if available), cpu, cuda or cuda:N"),
+    Param("dtype", "auto", "auto (bf16 on CUDA, float32 on CPU), float32, bfloat16, float16",
+          choices=DTYPES),
+    Param("budget_tokens", 8192, "KV cache budget M in tokens per full-attention layer",
+          low=1, high=10_000_000),
+    Param("sink_tokens", 4, "Attention-sink tokens always kept (stream start)", low=0,
+          high=4096),
+    Param("window_tokens", 1024, "Most recent tokens always kept", low=0, high=1_000_000),
+    Param("buckets", 4, "Equal stream-time spans sharing the rest of the budget", low=1,
+          high=64),
+    Param("policy", "deltas", "Retention signal: " + ", ".join(POLICY_NAMES),
+          choices=POLICY_NAMES),
+    Param("seed", 0, "Seed of the random policy", low=0, high=2**31 - 1),
+    Param("max_new_tokens", 64, "Longest answer in tokens (a request may ask for fewer)",
+          read_only=False, low=1, high=4096),
+    Param("evidence_chunks", 3, "Chunks reported as an answer's evidence", low=1, high=64),
+    Param("queue_chunks", 8,
+          "Chunks waiting for the model at most; beyond it the oldest are dropped and counted",
+          low=1, high=1000),
+    Param("max_gap_s", 10.0,
+          "A forward stamp jump larger than this starts a new segment (memory kept)",
+          low=0.5, high=86_400.0),
+    Param("max_question_chars", 2000, "Longest question accepted", read_only=False, low=1,
+          high=100_000),
+    Param("ask_timeout_s", 120.0, "How long a question may wait for the worker",
+          read_only=False, low=0.1, high=3600.0),
+    Param("silence_warn_s", 3.0, "No camera frame for this long: diagnostics WARN",
+          read_only=False, low=0.1, high=3600.0),
+)
+BY_NAME = {p.name: p for p in PARAMS}
+
+
+def defaults() -> dict[str, Any]:
+    return {p.name: p.default for p in PARAMS}
+
+
+def validate(values: dict[str, Any]) -> str | None:
+    """None if the values are usable together, else the reason they are not."""
+    for name, value in values.items():
+        param = BY_NAME.get(name)
+        if param is None:
+            continue
+        if type(value) is not type(param.default):
+            kind = type(param.default).__name__
+            return f"{name} must be a {kind}, got {value!r}"
+        if param.low is not None and not param.low <= value <= param.high:
+            return f"{name} must be within [{param.low}, {param.high}], got {value}"
+        if param.choices and value not in param.choices:
+            return f"{name} must be one of {', '.join(param.choices)}, got {value!r}"
+    merged = defaults() | values
+    if not merged["model_path"]:
+        return "model_path is required: a local directory holding a Qwen3.5 model"
+    device = merged["device"]
+    if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
+        return f"device must be auto, cpu, cuda or cuda:N, got {device!r}"
+    if merged["frames_per_chunk"] % 2:
+        return f"frames_per_chunk must be even (2 frames per temporal patch), got " \
+            f"{merged['frames_per_chunk']}"
+    if not merged["image_topic"]:
+        return "image_topic must not be empty"
+    try:
+        memory_config(merged)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def memory_config(values: dict[str, Any]) -> MemoryConfig:
+    """The engine's configuration from parameter values (raises ValueError if inconsistent)."""
+    return MemoryConfig(
+        budget_tokens=values["budget_tokens"],
+        sink_tokens=values["sink_tokens"],
+        window_tokens=values["window_tokens"],
+        buckets=values["buckets"],
+        policy=values["policy"],
+        seed=values["seed"],
+        pixel_budget=values["pixel_budget"],
+        max_new_tokens=values["max_new_tokens"],
+        evidence_chunks=values["evidence_chunks"],
+    )

@@ -1,0 +1,48 @@
+"""Start the DeltaS video memory node with config/deltas.yaml.
+
+    ros2 launch deltas_ros deltas.launch.py model_path:=/models/qwen3.5-9b \
+        image_topic:=/camera/color/image_raw
+"""
+
+import os
+
+from ament_index_python.packages import get_package_share_directory
+from launch.actions import DeclareLaunchArgument
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import Node
+from launch_ros.parameter_descriptions import ParameterValue
+
+from launch import LaunchDescription
+
+
+def generate_launch_description() -> LaunchDescription:
+    default_params = os.path.join(get_package_share_directory("deltas_ros"), "config",
+                                  "deltas.yaml")
+    arguments = [
+        DeclareLaunchArgument("model_path", description="Local Qwen3.5 model directory"),
+        DeclareLaunchArgument("image_topic", default_value="/camera/image_raw",
+                              description="Camera topic (sensor_msgs/Image)"),
+        DeclareLaunchArgument("params_file", default_value=default_params,
+                              description="Parameters YAML for the node"),
+        DeclareLaunchArgument("namespace", default_value="", description="Node namespace"),
+        DeclareLaunchArgument("use_sim_time", default_value="false",
+                              description="Follow /clock (bag replay)"),
+    ]
+    node = Node(
+        package="deltas_ros",
+        executable="memory_node",
+        name="deltas_memory",
+        namespace=LaunchConfiguration("namespace"),
+        output="screen",
+        emulate_tty=True,
+        parameters=[
+            LaunchConfiguration("params_file"),
+            {
+                "model_path": LaunchConfiguration("model_path"),
+                "image_topic": LaunchConfiguration("image_topic"),
+                "use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"),
+                                               value_type=bool),
+            },
+        ],
+    )
+    return LaunchDescription([*arguments, node])
