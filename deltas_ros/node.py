@@ -26,10 +26,11 @@ from rcl_interfaces.msg import (
     SetParametersResult,
 )
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.clock import Clock, ClockType
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.node import Node
-from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header
 from std_srvs.srv import Trigger
@@ -51,6 +52,7 @@ from .srv import AskMemory
 from .worker import MemoryWorker
 
 ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or question
+FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
 
 
 def to_time_msg(seconds: float) -> Time:
@@ -94,8 +96,10 @@ class MemoryNode(Node):
         services = ReentrantCallbackGroup()
         self.create_service(AskMemory, "~/ask_memory", self._ask, callback_group=services)
         self.create_service(Trigger, "~/reset_memory", self._reset, callback_group=services)
+        # Steady time: health must be reported even when a replayed /clock stops.
         self.create_timer(1.0, self._publish_diagnostics,
-                          callback_group=MutuallyExclusiveCallbackGroup())
+                          callback_group=MutuallyExclusiveCallbackGroup(),
+                          clock=Clock(clock_type=ClockType.STEADY_TIME))
         self._subscribe_camera()
 
     # ----------------------------------------------------------------------------- parameters
@@ -127,8 +131,14 @@ class MemoryNode(Node):
     # ----------------------------------------------------------------------------- camera
     def _subscribe_camera(self) -> None:
         p = self.values
-        qos = (QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-               if p["reliable_qos"] else qos_profile_sensor_data)
+        # A deep history: the callback is cheap, but it shares the interpreter with the model
+        # and may be late by a few hundred ms; frames lost here would shift the sampled grid.
+        qos = QoSProfile(
+            depth=FRAME_HISTORY,
+            reliability=ReliabilityPolicy.RELIABLE if p["reliable_qos"]
+            else ReliabilityPolicy.BEST_EFFORT,
+            durability=DurabilityPolicy.VOLATILE,
+        )
         events = SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible_qos)
         msg_type = CompressedImage if p["compressed"] else Image
         self.create_subscription(
@@ -148,17 +158,30 @@ class MemoryNode(Node):
         )
 
     def _on_frame(self, msg: Image | CompressedImage) -> None:
-        """Runs for every camera frame: cheap unless the frame is sampled."""
+        """Runs for every camera frame: cheap unless the frame is sampled.
+
+        Nothing a frame contains may stop the executor: anything unexpected is logged and
+        counted as a bad frame.
+        """
+        try:
+            self._take_frame(msg)
+        except Exception as error:  # a defect must not take the node down with it
+            self.bad_frames += 1
+            self.last_bad_frame = f"unexpected {type(error).__name__}: {error}"
+            self.get_logger().error(f"camera callback failed: {self.last_bad_frame}",
+                                    throttle_duration_sec=5.0)
+
+    def _take_frame(self, msg: Image | CompressedImage) -> None:
         self.last_frame_wall = time.monotonic()
         stamp = stamp_to_seconds(msg.header.stamp.sec, msg.header.stamp.nanosec)
         event = self.sampler.observe(stamp)
         if event is TimeEvent.JUMP_BACK:
-            self.get_logger().warn(
+            self.get_logger().warning(
                 f"camera stamps jumped back to {stamp:.3f} (a looped bag or a reset clock): "
                 "starting a new stream, the memory is reset")
             self.worker.request_reset()
         elif event is TimeEvent.GAP:
-            self.get_logger().warn(
+            self.get_logger().warning(
                 f"no frames for more than {self.sampler.max_gap_s:.1f} s of stamp time: "
                 "new segment, memory kept")
         if not self.sampler.wants(stamp):
@@ -172,13 +195,13 @@ class MemoryNode(Node):
         except FrameError as error:
             self.bad_frames += 1
             self.last_bad_frame = str(error)
-            self.get_logger().warn(f"dropped a camera frame: {error}",
+            self.get_logger().warning(f"dropped a camera frame: {error}",
                                    throttle_duration_sec=5.0)
             return
         self.frame_id = msg.header.frame_id
         chunk = self.sampler.add(frame, stamp)
         if chunk is not None and self.worker.submit_chunk(chunk):
-            self.get_logger().warn(
+            self.get_logger().warning(
                 "the model is slower than the stream: dropped the oldest waiting chunk(s) "
                 f"({self.worker.counters.chunks_dropped} so far)", throttle_duration_sec=5.0)
 
@@ -229,7 +252,7 @@ class MemoryNode(Node):
                 response.memory_span_end = answer.span_end
         response.latency_ms = (time.perf_counter() - start) * 1e3
         if not response.success:
-            self.get_logger().warn(f"question refused: {response.error}")
+            self.get_logger().warning(f"question refused: {response.error}")
         return response
 
     def _reset(self, _request: Trigger.Request, response: Trigger.Response):

@@ -28,7 +28,7 @@ if [ ! -f build/CMakeCache.txt ]; then
     -DAMENT_CMAKE_SYMLINK_INSTALL=ON > build.log 2>&1 || { cat build.log; exit 1; }
 fi
 "$venv/bin/cmake" --build build > build.log 2>&1 || { cat build.log; exit 1; }
-"$venv/bin/cmake" --install build >> build.log 2>&1 || { cat build.log; exit 1; }
+(cd build && "$venv/bin/cmake" --install .) >> build.log 2>&1 || { cat build.log; exit 1; }
 rm -f build.log
 
 "$venv/bin/python" -c "import rclpy, deltas_ros.msg, deltas_ros.srv" \

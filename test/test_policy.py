@@ -143,7 +143,8 @@ def test_chunk_level_policies_give_one_score_per_chunk():
 
 
 def test_random_policy_is_seeded():
-    a, b, c = make_policy("random", seed=1), make_policy("random", seed=1), make_policy("random", 2)
+    a, b = make_policy("random", seed=1), make_policy("random", seed=1)
+    c = make_policy("random", seed=2)
     assert torch.equal(a.score(signals(4)), b.score(signals(4)))
     assert not torch.equal(a.score(signals(4)), c.score(signals(4)))
 

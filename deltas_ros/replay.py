@@ -1,0 +1,179 @@
+"""Publishing a bag's camera topics live with rclpy, where `ros2 bag play` is not available.
+
+Each message's stored CDR bytes are published unchanged, on the recorded time line scaled by
+`rate`, so a subscriber receives exactly what was recorded. Only image topics are replayed; the
+bag is read through `deltas_ros.bag`, so MCAP and sqlite3 bags both work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import time
+from pathlib import Path
+
+import rclpy
+from rclpy.context import Context
+from rclpy.duration import Duration
+from rclpy.node import Node
+from rclpy.publisher import Publisher
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rosgraph_msgs.msg import Clock
+
+from .bag import image_topics, read_images
+
+NS_PER_S = 1_000_000_000
+ACK_TIMEOUT_S = 2.0
+
+
+def message_class(msgtype: str) -> type:
+    """The rclpy message class for a bag type name such as "sensor_msgs/msg/Image"."""
+    package, _, name = msgtype.split("/")
+    return getattr(importlib.import_module(f"{package}.msg"), name)
+
+
+def _wait_for_subscribers(node: Node, publishers: dict[str, Publisher], timeout_s: float) -> None:
+    """Frames published before a subscriber has matched are lost; give discovery some time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(pub.get_subscription_count() >= 1 for pub in publishers.values()):
+            return
+        time.sleep(0.02)
+    waiting = [topic for topic, pub in publishers.items() if pub.get_subscription_count() < 1]
+    if waiting:
+        node.get_logger().warning(
+            f"no subscriber after {timeout_s:g} s on {waiting}; publishing anyway"
+        )
+
+
+def replay_bag(
+    path: str | Path,
+    rate: float = 1.0,
+    loop: bool = False,
+    publish_clock: bool = False,
+    topics: list[str] | None = None,
+    wait_for_subscribers_s: float = 10.0,
+    node: Node | None = None,
+    max_loops: int | None = None,
+    reliable: bool = True,
+) -> dict:
+    """Publish the bag's image topics on the recorded time line; returns what was done.
+
+    Message i is due at wall0 + (t_i - t_first) / rate, t being the bag log time. With `loop`
+    the bag repeats (at most `max_loops` passes) and its stamps jump back at each pass, as a
+    consumer of a looping replay must handle. `publish_clock` also publishes the bag time on
+    /clock before each message, for nodes running with use_sim_time. Without `node`, a private
+    rclpy context and node are created and torn down. Ctrl-C stops it cleanly.
+
+    Returns {"published": {topic: count}, "late_ms_max": float, "loops": completed passes,
+    "wall_s": float, "interrupted": bool}.
+    """
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, not {rate}")
+    if max_loops is not None and max_loops < 1:
+        raise ValueError(f"max_loops must be >= 1, not {max_loops}")
+    read_images(path, topics)  # checks the bag and topics: clear errors before any ROS setup
+    types = image_topics(path)
+    selected = {topic: types[topic] for topic in topics or types}
+
+    context = None
+    if node is None:
+        context = Context()
+        rclpy.init(context=context)
+        node = Node("deltas_replay", context=context)
+    qos = (
+        QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        if reliable
+        else qos_profile_sensor_data
+    )
+    publishers = {
+        topic: node.create_publisher(message_class(msgtype), topic, qos)
+        for topic, msgtype in selected.items()
+    }
+    clock = node.create_publisher(Clock, "/clock", 10) if publish_clock else None
+    stats = {
+        "published": dict.fromkeys(publishers, 0),
+        "late_ms_max": 0.0,
+        "loops": 0,
+        "wall_s": 0.0,
+        "interrupted": False,
+    }
+    start = time.monotonic()
+    try:
+        # A use_sim_time consumer needs the clock from the first frame on, so /clock waits too.
+        waited = {**publishers, "/clock": clock} if clock is not None else publishers
+        _wait_for_subscribers(node, waited, wait_for_subscribers_s)
+        start, wall0 = time.monotonic(), None
+        while True:
+            wall0 = _play_once(path, rate, publishers, clock, wall0, stats)
+            stats["loops"] += 1
+            if not loop or (max_loops is not None and stats["loops"] >= max_loops):
+                break
+    except KeyboardInterrupt:
+        stats["interrupted"] = True
+    finally:
+        stats["wall_s"] = round(time.monotonic() - start, 3)
+        for publisher in [*publishers.values(), clock]:
+            if publisher is not None:
+                # A reliable writer destroyed right after its last write can lose that message.
+                publisher.wait_for_all_acked(Duration(seconds=ACK_TIMEOUT_S))
+                node.destroy_publisher(publisher)
+        if context is not None:
+            node.destroy_node()
+            rclpy.try_shutdown(context=context)
+    return stats
+
+
+def _play_once(
+    path: str | Path,
+    rate: float,
+    publishers: dict[str, Publisher],
+    clock: Publisher | None,
+    wall0: float | None,
+    stats: dict,
+) -> float:
+    """One pass over the bag, its first message due at `wall0` (None: now, once the bag is
+    open); returns when the next pass is due: one mean frame interval after its last message."""
+    images = read_images(path, list(publishers))
+    first = next(images, None)  # opening the bag takes time: do it before the clock starts
+    if first is None:
+        return time.monotonic()
+    if wall0 is None:
+        wall0 = time.monotonic()
+    first_ns = first.log_time_ns
+    last_ns, count = first_ns, 0
+    for image in itertools.chain([first], images):
+        last_ns, count = image.log_time_ns, count + 1
+        due = wall0 + (image.log_time_ns - first_ns) / NS_PER_S / rate
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        late_ms = (time.monotonic() - due) * 1000
+        if clock is not None:
+            bag_time = Clock()
+            bag_time.clock.sec, bag_time.clock.nanosec = divmod(image.log_time_ns, NS_PER_S)
+            clock.publish(bag_time)
+        publishers[image.topic].publish(image.rawdata)
+        stats["published"][image.topic] += 1
+        stats["late_ms_max"] = max(stats["late_ms_max"], round(late_ms, 3))
+    if count < 2:
+        return time.monotonic()
+    span_s = (last_ns - first_ns) / NS_PER_S / rate
+    return wall0 + span_s + span_s / (count - 1)
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    """`deltas-ros replay`: publish a bag's camera topics live and print what was published."""
+    stats = replay_bag(
+        args.bag,
+        rate=args.rate,
+        loop=args.loop or args.max_loops is not None,
+        publish_clock=args.clock,
+        topics=args.topic,
+        max_loops=args.max_loops,
+        reliable=not args.best_effort,
+    )
+    print(json.dumps(stats))
+    return 0

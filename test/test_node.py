@@ -1,0 +1,396 @@
+"""The memory node in its own process, driven over real DDS from this one (tiny model, CPU).
+
+The node is started exactly as launch/deltas.launch.py starts it: the installed `memory_node`
+executable with config/deltas.yaml and the launch file's overrides.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import rclpy
+from deltas_ros.msg import DriftScore
+from deltas_ros.srv import AskMemory
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+from rcl_interfaces.srv import SetParameters
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.node import Node
+from rosgraph_msgs.msg import Clock
+from sensor_msgs.msg import CompressedImage, Image
+from std_srvs.srv import Trigger
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = REPO / ".venv"
+BASE_STAMP = 1_700_000_000.0
+SMALL = {"pixel_budget": "4096", "budget_tokens": "120", "window_tokens": "40",
+         "max_new_tokens": "4", "silence_warn_s": "2.0"}
+
+
+def node_command(model_dir: Path, topic: str, **overrides: str) -> list[str]:
+    """The command line launch/deltas.launch.py produces, plus test-size overrides."""
+    args = [str(VENV / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
+            "-r", "__node:=deltas_memory",
+            "--params-file", str(REPO / "config" / "deltas.yaml"),
+            "-p", f"model_path:={model_dir}", "-p", f"image_topic:={topic}",
+            "-p", "use_sim_time:=false"]
+    for key, value in overrides.items():
+        args += ["-p", f"{key}:={value}"]
+    return args
+
+
+@pytest.fixture(scope="module")
+def ros_domain(tmp_path_factory) -> Iterator[dict[str, str]]:
+    env = {"ROS_DOMAIN_ID": str(random.Random(os.getpid()).randint(101, 200)),
+           "ROS_LOG_DIR": str(tmp_path_factory.mktemp("ros_log")),
+           "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
+           "PYTHONUNBUFFERED": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield dict(os.environ)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+class Tester:
+    """This process's side of the graph: camera publisher, listeners, service clients."""
+
+    def __init__(self, namespace: str = "/deltas_memory", topic: str = "/camera/image_raw",
+                 compressed: bool = False) -> None:
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = Node("tester", context=self.context)
+        self.lock = threading.Lock()
+        self.drift: list[DriftScore] = []
+        self.diagnostics: list[DiagnosticArray] = []
+        msg_type = CompressedImage if compressed else Image
+        self.camera = self.node.create_publisher(msg_type, topic, 50)
+        self.clock = self.node.create_publisher(Clock, "/clock", 10)
+        self.node.create_subscription(DriftScore, f"{namespace}/drift", self._on_drift, 100)
+        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 10)
+        self.ask_client = self.node.create_client(AskMemory, f"{namespace}/ask_memory")
+        self.reset_client = self.node.create_client(Trigger, f"{namespace}/reset_memory")
+        self.params_client = self.node.create_client(SetParameters,
+                                                     f"{namespace}/set_parameters")
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.thread = threading.Thread(target=self._spin, daemon=True)
+        self.thread.start()
+
+    def _spin(self) -> None:
+        try:
+            while self.context.ok():
+                self.executor.spin_once(timeout_sec=0.05)
+        except ExternalShutdownException:
+            pass
+
+    def _on_drift(self, msg: DriftScore) -> None:
+        with self.lock:
+            self.drift.append(msg)
+
+    def _on_diag(self, msg: DiagnosticArray) -> None:
+        with self.lock:
+            self.diagnostics.append(msg)
+
+    def wait_ready(self, process: subprocess.Popen, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise AssertionError(f"node exited early: {process.stderr.read()}")
+            if self.ask_client.service_is_ready() and self.camera.get_subscription_count():
+                return
+            time.sleep(0.1)
+        raise AssertionError("node did not come up")
+
+    def call(self, client, request, timeout: float = 60.0):
+        future = client.call_async(request)
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            assert time.monotonic() < deadline, "service call timed out"
+            time.sleep(0.02)
+        return future.result()
+
+    def ask(self, question: str, max_new_tokens: int = 0) -> AskMemory.Response:
+        return self.call(self.ask_client,
+                         AskMemory.Request(question=question, max_new_tokens=max_new_tokens))
+
+    def reset(self) -> None:
+        assert self.call(self.reset_client, Trigger.Request()).success
+        with self.lock:
+            self.drift.clear()
+
+    def stream(self, seconds: float, speed: float = 1.0, fps: float = 30.0,
+               start: float = BASE_STAMP, make=None, on_frame=None) -> None:
+        """Publish `seconds` of frames with stamps start + i/fps, paced at `speed` x real time."""
+        make = make or raw_frame
+        wall0 = time.monotonic()
+        for i in range(int(seconds * fps)):
+            stamp = start + i / fps
+            self.camera.publish(make(i, stamp))
+            self.clock.publish(Clock(clock=stamp_msg(stamp)))
+            if on_frame:
+                on_frame(i)
+            delay = wall0 + (i + 1) / fps / speed - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+    def wait_for(self, predicate, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if predicate():
+                    return
+            time.sleep(0.05)
+        raise AssertionError("condition not reached in time")
+
+    def last_status(self) -> tuple[int, dict[str, str]]:
+        with self.lock:
+            status = self.diagnostics[-1].status[0]
+        return status.level, {kv.key: kv.value for kv in status.values}
+
+    def close(self) -> None:
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+        self.thread.join(2)
+
+
+def stamp_msg(stamp: float):
+    from deltas_ros.node import to_time_msg
+
+    return to_time_msg(stamp)
+
+
+def scene(i: int) -> np.ndarray:
+    """A still scene that changes every 2 s (a new random texture), 120x160 RGB."""
+    rng = np.random.default_rng(i // 60)
+    return rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)
+
+
+def raw_frame(i: int, stamp: float, encoding: str = "rgb8") -> Image:
+    pixels = scene(i)
+    msg = Image(height=120, width=160, encoding=encoding, step=160 * 3,
+                data=pixels.tobytes())
+    msg.header.stamp = stamp_msg(stamp)
+    msg.header.frame_id = "camera"
+    return msg
+
+
+def start(model_dir: Path, env: dict[str, str], topic: str = "/camera/image_raw",
+          **overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(node_command(model_dir, topic, **(SMALL | overrides)), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stop(process: subprocess.Popen, sig: int = signal.SIGINT) -> tuple[int, str]:
+    if process.poll() is None:
+        process.send_signal(sig)
+    try:
+        _, err = process.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+    return process.returncode, err
+
+
+@pytest.fixture(scope="module")
+def raw_node(tiny_model_dir, ros_domain):
+    process = start(tiny_model_dir, ros_domain, reliable_qos="true")
+    tester = Tester()
+    try:
+        tester.wait_ready(process)
+        yield tester, process
+    finally:
+        tester.close()
+        code, err = stop(process)
+        print(f"memory_node exited {code}; stderr:\n{err[-5000:]}")
+
+
+def indices(msgs: list[DriftScore]) -> list[int]:
+    return [m.chunk_index for m in msgs]
+
+
+def test_streams_one_drift_per_second_and_answers_while_streaming(raw_node):
+    tester, _ = raw_node
+    tester.reset()
+    answers = []
+
+    def ask_midway(i: int) -> None:
+        if i == 90:  # 3 s into the stream, from another thread like a planner would
+            threading.Thread(target=lambda: answers.append(tester.ask("What changed?")),
+                             daemon=True).start()
+
+    tester.stream(6.0, on_frame=ask_midway)
+    tester.wait_for(lambda: len(tester.drift) >= 6 and answers)
+    time.sleep(1.0)
+    drift = list(tester.drift)
+    assert 5 <= len(drift) <= 7
+    assert indices(drift) == list(range(len(drift)))  # consecutive: no chunk lost
+    times = [m.stream_time for m in drift]
+    assert times == sorted(times) and times[0] < 0.5
+    assert all(m.kv_tokens <= 120 and len(m.layer_drift) == 6 for m in drift)
+    assert drift[0].header.stamp.sec == int(BASE_STAMP) and drift[0].header.frame_id == "camera"
+    answer = answers[0]
+    assert answer.success, answer.error
+    assert answer.evidence_times and answer.memory_tokens > 0
+    assert all(answer.memory_span_start <= t <= answer.memory_span_end
+               for t in answer.evidence_times)
+    assert len(answer.evidence_stamps) == len(answer.evidence_times)
+
+
+def test_same_input_at_1x_and_2x_gives_the_same_chunks(raw_node):
+    tester, _ = raw_node
+    runs = []
+    for speed in (1.0, 2.0):
+        tester.reset()
+        tester.stream(4.0, speed=speed)
+        tester.wait_for(lambda: len(tester.drift) >= 4)
+        time.sleep(0.5)
+        with tester.lock:
+            runs.append([(m.chunk_index, m.stream_time, m.drift) for m in tester.drift])
+    assert len(runs[0]) == len(runs[1]) == 4
+    for (i1, t1, d1), (i2, t2, d2) in zip(*runs):
+        assert i1 == i2 and t1 == t2
+        assert d1 == pytest.approx(d2, rel=1e-6)
+
+
+def test_bad_frames_are_counted_and_the_node_keeps_running(raw_node):
+    tester, process = raw_node
+    tester.reset()
+
+    def bad(i: int, stamp: float) -> Image:
+        msg = raw_frame(i, stamp)
+        kind = (i // 15) % 4
+        if kind == 0:
+            msg.encoding = "yuv422_weird"
+        elif kind == 1:
+            msg.height = msg.width = 0
+            msg.step, msg.data = 0, b""
+        elif kind == 2:
+            msg.data = msg.data[: len(msg.data) // 2]  # shorter than step * height
+        else:
+            msg.encoding = "16UC1"  # depth
+        return msg
+
+    tester.stream(2.0, make=bad)
+    tester.stream(2.0, start=BASE_STAMP + 2.0)
+    tester.wait_for(lambda: len(tester.drift) >= 2)
+    time.sleep(1.5)
+    assert process.poll() is None
+    level, values = tester.last_status()
+    assert int(values["frames_bad"]) >= 4
+    assert int(values["chunks_processed"]) >= 2
+
+
+def test_diagnostics_report_health_and_silence(raw_node):
+    tester, _ = raw_node
+    tester.reset()
+    tester.stream(2.0)
+    tester.wait_for(lambda: len(tester.drift) >= 2)
+    level, values = tester.last_status()
+    for key in ("input_rate_hz", "frames_received", "frames_sampled", "chunks_processed",
+                "chunks_dropped", "queue_depth", "kv_tokens", "budget_tokens", "memory_bytes",
+                "chunk_latency_ms", "real_time_factor", "last_drift", "device", "model"):
+        assert key in values
+    assert values["budget_tokens"] == "120" and values["device"] == "cpu"
+    time.sleep(3.5)  # longer than silence_warn_s
+    level, values = tester.last_status()
+    assert level == DiagnosticStatus.WARN  # the camera went silent
+
+
+def test_stamps_jumping_back_reset_the_memory(raw_node):
+    tester, _ = raw_node
+    tester.reset()
+    tester.stream(3.0, start=BASE_STAMP + 100)
+    tester.wait_for(lambda: len(tester.drift) >= 3)
+    tester.stream(2.0, start=BASE_STAMP)  # the bag looped
+    tester.wait_for(lambda: len(tester.drift) >= 5)
+    time.sleep(1.5)
+    assert indices(tester.drift) == [0, 1, 2, 0, 1]
+    assert tester.drift[3].stream_time < 0.5
+    _, values = tester.last_status()
+    assert int(values["time_jumps_back"]) >= 1
+
+
+def test_parameters_are_validated_at_runtime(raw_node):
+    tester, _ = raw_node
+
+    def set_param(name: str, kind: int, **value) -> object:
+        request = SetParameters.Request(parameters=[
+            Parameter(name=name, value=ParameterValue(type=kind, **value))])
+        return tester.call(tester.params_client, request).results[0]
+
+    refused = set_param("max_new_tokens", ParameterType.PARAMETER_INTEGER, integer_value=0)
+    assert not refused.successful and "max_new_tokens" in refused.reason
+    read_only = set_param("budget_tokens", ParameterType.PARAMETER_INTEGER, integer_value=500)
+    assert not read_only.successful
+    accepted = set_param("max_new_tokens", ParameterType.PARAMETER_INTEGER, integer_value=3)
+    assert accepted.successful
+
+
+def test_questions_are_validated(raw_node):
+    tester, _ = raw_node
+    empty = tester.ask("   ")
+    assert not empty.success and "empty" in empty.error
+    long = tester.ask("x" * 5000)
+    assert not long.success and "limit" in long.error
+
+
+def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, ros_domain):
+    process = start(tiny_model_dir, ros_domain, topic="/camera/image_raw/compressed",
+                    compressed="true", reliable_qos="true", use_sim_time="true")
+    tester = Tester(topic="/camera/image_raw/compressed", compressed=True)
+
+    def jpeg(i: int, stamp: float) -> CompressedImage:
+        ok, encoded = cv2.imencode(".jpg", scene(i))
+        data = encoded.tobytes() if i >= 30 else b"\xff\xd8 not really a jpeg"
+        msg = CompressedImage(format="jpeg", data=data)
+        msg.header.stamp = stamp_msg(stamp)
+        return msg
+
+    try:
+        tester.wait_ready(process)
+        tester.stream(4.0, make=jpeg)
+        tester.wait_for(lambda: len(tester.drift) >= 2)
+        tester.wait_for(lambda: tester.diagnostics
+                        and tester.diagnostics[-1].header.stamp.sec == int(BASE_STAMP) + 3)
+        _, values = tester.last_status()
+        assert int(values["frames_bad"]) >= 1
+        assert process.poll() is None
+    finally:
+        tester.close()
+        code, err = stop(process, signal.SIGTERM)
+    assert code == 0 and "Traceback" not in err
+
+
+def test_bad_parameters_refuse_to_start_with_a_clear_message(tiny_model_dir, ros_domain):
+    process = start(tiny_model_dir, ros_domain, budget_tokens="100", window_tokens="200")
+    process.wait(timeout=60)
+    assert process.returncode == 1
+    assert "budget_tokens (100) must be at least" in process.stderr.read()
+
+
+def test_missing_model_refuses_to_start(tmp_path, ros_domain):
+    process = start(tmp_path / "nothing-here", ros_domain)
+    process.wait(timeout=60)
+    assert process.returncode == 1
+    assert "no model at" in process.stderr.read()
+
+
+def test_sigint_stops_cleanly(raw_node):
+    _, process = raw_node
+    code, err = stop(process)
+    assert code == 0
+    assert "Traceback" not in err

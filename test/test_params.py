@@ -1,0 +1,78 @@
+"""Parameters: one table, the YAML file and the launch file agree; bad values are refused."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deltas_ros import params
+
+REPO = Path(__file__).resolve().parents[1]
+GOOD = {"model_path": "/models/qwen"}
+
+
+def launch_source() -> ast.Module:
+    return ast.parse((REPO / "launch" / "deltas.launch.py").read_text())
+
+
+def test_yaml_lists_every_parameter_with_its_default():
+    config = yaml.safe_load((REPO / "config" / "deltas.yaml").read_text())
+    values = config["/**"]["ros__parameters"]
+    assert values == params.defaults()
+
+
+def test_issue_named_parameters_exist_with_their_defaults():
+    d = params.defaults()
+    assert d["image_topic"] == "/camera/image_raw" and d["fps"] == 2.0
+    assert d["frames_per_chunk"] == 2 and d["budget_tokens"] == 8192
+    assert (d["sink_tokens"], d["window_tokens"], d["buckets"]) == (4, 1024, 4)
+    for name in ("compressed", "reliable_qos", "pixel_budget", "model_path", "device", "dtype",
+                 "policy", "max_new_tokens", "queue_chunks"):
+        assert name in d
+    assert params.BY_NAME["model_path"].read_only
+
+
+def test_launch_file_declares_the_documented_arguments():
+    declared = {
+        node.args[0].value for node in ast.walk(launch_source())
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "DeclareLaunchArgument"
+    }
+    assert declared == {"model_path", "image_topic", "params_file", "namespace", "use_sim_time"}
+
+
+def test_launch_file_overrides_only_real_parameters():
+    tree = launch_source()
+    node_call = next(n for n in ast.walk(tree)
+                     if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Node")
+    kwargs = {k.arg: k.value for k in node_call.keywords}
+    assert kwargs["executable"].value == "memory_node" and kwargs["package"].value == "deltas_ros"
+    overrides = next(e for e in kwargs["parameters"].elts if isinstance(e, ast.Dict))
+    keys = {k.value for k in overrides.keys}
+    assert keys <= set(params.defaults()) | {"use_sim_time"}
+    assert "deltas.yaml" in ast.unparse(tree)
+
+
+def test_defaults_with_a_model_path_are_valid():
+    assert params.validate(GOOD) is None
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"model_path": ""}, "model_path is required"),
+    ({"fps": 0.0}, "fps must be within"),
+    ({"fps": 2}, "fps must be a float"),
+    ({"frames_per_chunk": 3}, "even"),
+    ({"policy": "oracle"}, "policy must be one of"),
+    ({"dtype": "int8"}, "dtype must be one of"),
+    ({"device": "tpu"}, "device must be"),
+    ({"budget_tokens": 1000}, "budget_tokens (1000) must be at least"),
+    ({"queue_chunks": 0}, "queue_chunks must be within"),
+    ({"image_topic": ""}, "image_topic"),
+])
+def test_bad_values_are_refused_with_a_reason(change, reason):
+    problem = params.validate(GOOD | change)
+    assert problem is not None and reason in problem
+
+
+def test_cuda_index_is_a_valid_device():
+    assert params.validate(GOOD | {"device": "cuda:1"}) is None

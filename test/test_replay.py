@@ -1,0 +1,172 @@
+"""Replaying a bag over real DDS: a subscriber in another process receives every frame, in order,
+with the recorded stamps, on the recorded time line scaled by the rate."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deltas_ros.replay import replay_bag
+from deltas_ros.synth import write_synth_bag
+
+REPO = Path(__file__).resolve().parents[1]
+TOPIC = "/camera/image_raw"
+DURATION, FPS = 3.0, 10.0
+FRAMES = int(DURATION * FPS)
+START = 1_700_000_000.0
+
+# A plain rclpy subscriber: counts frames (and /clock messages), prints what it got as JSON once it
+# has `count` frames (and handled what was already due) or after `timeout` s, or on SIGINT.
+SUBSCRIBER = """
+import json, sys, time
+import rclpy
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rosgraph_msgs.msg import Clock
+from sensor_msgs.msg import Image
+
+topic, count, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+got = {"stamps": [], "recv": [], "clock": 0}
+rclpy.init()
+node = rclpy.create_node("test_subscriber")
+
+def on_image(msg):
+    got["stamps"].append([msg.header.stamp.sec, msg.header.stamp.nanosec])
+    got["recv"].append(time.monotonic())
+
+def on_clock(msg):
+    got["clock"] += 1
+
+qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+node.create_subscription(Image, topic, on_image, qos)
+node.create_subscription(Clock, "/clock", on_clock, 10)
+deadline = time.monotonic() + timeout
+try:
+    while len(got["stamps"]) < count and time.monotonic() < deadline:
+        rclpy.spin_once(node, timeout_sec=0.05)
+    drain = time.monotonic() + 0.3  # callbacks already due, e.g. the /clock of the last frame
+    while time.monotonic() < drain:
+        rclpy.spin_once(node, timeout_sec=0.05)
+except KeyboardInterrupt:
+    pass
+print(json.dumps(got), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def bag(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("replay") / "bag"
+    return write_synth_bag(
+        path, duration_s=DURATION, fps=FPS, width=160, height=120, start_stamp=START
+    )
+
+
+def expected_stamps() -> list[list[int]]:
+    return [[int(START) + i // 10, (i % 10) * 100_000_000] for i in range(FRAMES)]
+
+
+def start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGINT (what ROS nodes expect), then kill: a test never leaves a process behind."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def received(subscriber: subprocess.Popen) -> dict:
+    out, err = subscriber.communicate(timeout=30)
+    assert subscriber.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def subscriber_for(tmp_path: Path, count: int, env: dict[str, str]) -> subprocess.Popen:
+    script = tmp_path / "subscriber.py"
+    script.write_text(SUBSCRIBER)
+    return start([str(script), TOPIC, str(count), "20"], env)
+
+
+@pytest.mark.parametrize("rate", [1.0, 2.0])
+def test_replay_delivers_every_frame_in_order_at_rate(bag, rate, tmp_path, ros_env):
+    subscriber = subscriber_for(tmp_path, FRAMES, ros_env)
+    try:
+        stats = replay_bag(bag, rate=rate, wait_for_subscribers_s=15.0)
+        got = received(subscriber)
+    finally:
+        stop(subscriber)
+    assert stats["published"] == {TOPIC: FRAMES}
+    assert stats["loops"] == 1 and not stats["interrupted"]
+    assert got["stamps"] == expected_stamps()
+    # The recorded time line, scaled: (FRAMES - 1) frame intervals, loosely on a busy 2-core CI.
+    expected_s = (FRAMES - 1) / FPS / rate
+    span_s = got["recv"][-1] - got["recv"][0]
+    assert 0.8 * expected_s < span_s < 1.3 * expected_s + 0.2
+    assert 0.9 * expected_s < stats["wall_s"] < 1.3 * expected_s + 0.2
+    assert got["clock"] == 0
+
+
+def test_cli_replay_loops_with_clock(bag, tmp_path, ros_env):
+    subscriber = subscriber_for(tmp_path, 2 * FRAMES, ros_env)
+    replay = None
+    try:
+        cli = ["-m", "deltas_ros.cli", "replay", str(bag), "--rate", "3", "--max-loops", "2"]
+        replay = start([*cli, "--clock", "--topic", TOPIC], ros_env)
+        out, err = replay.communicate(timeout=30)
+        got = received(subscriber)
+    finally:
+        stop(subscriber)
+        if replay is not None:
+            stop(replay)
+    assert replay.returncode == 0, err
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert stats["published"] == {TOPIC: 2 * FRAMES} and stats["loops"] == 2
+    # Stamps are replayed as recorded: they jump back once, at the start of the second pass.
+    assert got["stamps"] == 2 * expected_stamps()
+    assert got["clock"] == 2 * FRAMES
+
+
+def test_replay_stops_cleanly_on_sigint(bag, tmp_path, ros_env):
+    subscriber = subscriber_for(tmp_path, 5, ros_env)
+    replay = None
+    try:
+        replay = start(["-m", "deltas_ros.cli", "replay", str(bag), "--loop"], ros_env)
+        assert len(received(subscriber)["stamps"]) >= 5  # so the replay is publishing by now
+        replay.send_signal(signal.SIGINT)
+        out, err = replay.communicate(timeout=10)
+    finally:
+        stop(subscriber)
+        if replay is not None:
+            stop(replay)
+    assert replay.returncode == 0, err
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert stats["interrupted"] and stats["published"][TOPIC] >= 5
+
+
+def test_cli_replay_reports_a_missing_bag(tmp_path, ros_env):
+    result = subprocess.run(
+        [sys.executable, "-m", "deltas_ros.cli", "replay", str(tmp_path / "no_bag")],
+        cwd=REPO,
+        env=ros_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "no such bag" in result.stderr and "no_bag" in result.stderr
