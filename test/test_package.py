@@ -1,0 +1,130 @@
+"""The package itself: manifest, CMake, setup.py and the generated interfaces agree and work."""
+
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = ET.parse(REPO / "package.xml").getroot()
+
+
+def manifest(tag: str) -> set[str]:
+    return {e.text for e in MANIFEST.findall(tag)}
+
+
+def test_manifest_is_format_3_interface_package():
+    assert MANIFEST.get("format") == "3"
+    assert manifest("member_of_group") == {"rosidl_interface_packages"}
+    assert MANIFEST.find("export/build_type").text == "ament_cmake"
+
+
+def test_cmake_setup_and_manifest_agree_on_name_version_and_dependencies():
+    cmake = (REPO / "CMakeLists.txt").read_text()
+    setup = (REPO / "setup.py").read_text()
+    name, version = MANIFEST.find("name").text, MANIFEST.find("version").text
+    assert re.search(r"project\((\w+)\)", cmake).group(1) == name
+    assert f'name="{name}"' in setup and "package.xml" in setup  # version read from it
+    found = set(re.findall(r"find_package\((\w+) REQUIRED", cmake)) - {"Python3"}
+    declared = manifest("buildtool_depend") | manifest("depend") | manifest("build_depend")
+    assert found <= declared, f"find_package without a manifest entry: {found - declared}"
+    interface_deps = set(re.search(r"DEPENDENCIES ([\w ]+)", cmake).group(1).split())
+    assert interface_deps <= manifest("depend")
+    # Python dependencies of setup.py are exec dependencies of the ROS package too.
+    rosdep = {"numpy": "python3-numpy", "opencv-python-headless": "python3-opencv",
+              "torch": "python3-torch", "torchvision": "python3-torchvision",
+              "transformers": "python3-transformers", "safetensors": "python3-safetensors",
+              "rosbags": "python3-rosbags", "matplotlib": "python3-matplotlib",
+              "tqdm": "python3-tqdm"}
+    requires = re.findall(r'"([a-z][\w-]+)(?:[<>=][^"]*)?",', setup.split("install_requires")[1]
+                          .split("]")[0])
+    missing = {rosdep[r] for r in requires} - manifest("exec_depend")
+    assert not missing, f"setup.py requires what package.xml does not list: {missing}"
+    assert f"<version>{version}</version>" in (REPO / "package.xml").read_text()
+
+
+def test_every_interface_file_is_generated():
+    cmake = (REPO / "CMakeLists.txt").read_text()
+    for path in list((REPO / "msg").glob("*.msg")) + list((REPO / "srv").glob("*.srv")):
+        assert f'"{path.parent.name}/{path.name}"' in cmake
+
+
+def test_interfaces_round_trip_through_rclpy_serialization():
+    from builtin_interfaces.msg import Time
+    from deltas_ros.msg import DriftScore
+    from deltas_ros.srv import AskMemory
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    drift = DriftScore(chunk_index=7, stream_time=3.5, drift=0.25, layer_drift=[0.5, 0.125],
+                       chunk_tokens=116, kv_tokens=8192, evicted_tokens=116, forward_ms=107.0,
+                       signal_ms=2.07, evict_ms=6.4)
+    drift.header.stamp = Time(sec=1_700_000_000, nanosec=500_000_000)
+    drift.header.frame_id = "camera"
+    assert deserialize_message(serialize_message(drift), DriftScore) == drift
+
+    request = AskMemory.Request(question="Where is the red cup?", max_new_tokens=32)
+    assert deserialize_message(serialize_message(request), AskMemory.Request) == request
+    response = AskMemory.Response(
+        success=True, answer="on the table", evidence_times=[12.0, 40.5],
+        evidence_stamps=[Time(sec=1, nanosec=2), Time(sec=3, nanosec=4)], memory_tokens=8192,
+        memory_span_start=0.25, memory_span_end=3600.0, latency_ms=120.0)
+    assert deserialize_message(serialize_message(response), AskMemory.Response) == response
+
+
+def test_generated_types_are_the_built_ones():
+    from deltas_ros.msg import DriftScore
+    from deltas_ros.srv import AskMemory
+
+    assert DriftScore.__module__.startswith("deltas_ros.msg")
+    assert AskMemory.Request.get_fields_and_field_types()["max_new_tokens"] == "uint32"
+    assert AskMemory.Response.get_fields_and_field_types()["evidence_stamps"] == \
+        "sequence<builtin_interfaces/Time>"
+
+
+def test_executables_are_installed_where_ros2_run_looks():
+    venv = Path(sys.prefix)
+    for exe in ("memory_node", "deltas-ros"):
+        path = venv / "lib" / "deltas_ros" / exe
+        assert path.exists() and path.stat().st_mode & 0o111, path
+    assert (venv / "share" / "deltas_ros" / "launch" / "deltas.launch.py").exists()
+    assert (venv / "share" / "deltas_ros" / "config" / "deltas.yaml").exists()
+
+
+def test_ruff_is_clean():
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", str(REPO)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_setup_py_installs_the_ros_free_core_and_cli_into_a_plain_venv(tmp_path):
+    """pip install . into a venv without ROS: the core imports without rclpy, the CLI runs.
+
+    The new venv borrows torch & co. from the development venv through a .pth file (no
+    multi-GB download in a test); rclpy is made unimportable in the checks.
+    """
+    source = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for name in files:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes((REPO / name).read_bytes())
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (site / "site-packages" / "borrowed.pth").write_text(
+        next(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                    "install", "--quiet", "--no-deps", "--no-build-isolation", str(source)],
+                   check=True, cwd=tmp_path)
+    check = ("import sys; sys.modules['rclpy'] = None\n"
+             "import deltas_ros.memory, deltas_ros.frames, deltas_ros.policy, deltas_ros.cli\n"
+             "print(deltas_ros.memory.__file__)")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", check], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith(str(venv))  # the pip-installed copy, not the ROS build
+    model = tmp_path / "model"
+    result = subprocess.run([str(venv / "bin" / "deltas-ros"), "make-model", "--tiny",
+                             str(model)], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (model / "config.json").exists() and (model / "tokenizer.json").exists()
