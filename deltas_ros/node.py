@@ -37,13 +37,12 @@ from std_srvs.srv import Trigger
 
 from . import params
 from .frames import (
-    FrameError,
+    FrameGate,
     FrameSampler,
     SampledChunk,
     TimeEvent,
-    decode_compressed,
-    decode_raw,
-    stamp_to_seconds,
+    decode_message,
+    message_stamp,
 )
 from .memory import ChunkResult, StreamingMemory
 from .model import load_model
@@ -79,9 +78,9 @@ class MemoryNode(Node):
         )
         self.memory = StreamingMemory(loaded, params.memory_config(p))
         self.sampler = FrameSampler(p["fps"], p["frames_per_chunk"], p["max_gap_s"])
+        self.gate = FrameGate(self.sampler)
         self.frame_id = ""
-        self.bad_frames = 0
-        self.last_bad_frame = ""
+        self.callback_errors = 0
         self.frames_at_last_report = 0
         self.last_frame_wall = 0.0
         self.started_wall = time.monotonic()
@@ -166,41 +165,31 @@ class MemoryNode(Node):
         try:
             self._take_frame(msg)
         except Exception as error:  # a defect must not take the node down with it
-            self.bad_frames += 1
-            self.last_bad_frame = f"unexpected {type(error).__name__}: {error}"
-            self.get_logger().error(f"camera callback failed: {self.last_bad_frame}",
-                                    throttle_duration_sec=5.0)
+            self.callback_errors += 1
+            self.get_logger().error(
+                f"camera callback failed: {type(error).__name__}: {error}",
+                throttle_duration_sec=5.0)
 
     def _take_frame(self, msg: Image | CompressedImage) -> None:
         self.last_frame_wall = time.monotonic()
-        stamp = stamp_to_seconds(msg.header.stamp.sec, msg.header.stamp.nanosec)
-        event = self.sampler.observe(stamp)
-        if event is TimeEvent.JUMP_BACK:
+        stamp = message_stamp(msg)
+        outcome = self.gate.push(stamp, lambda: decode_message(msg))
+        if outcome.event is TimeEvent.JUMP_BACK:
             self.get_logger().warning(
                 f"camera stamps jumped back to {stamp:.3f} (a looped bag or a reset clock): "
                 "starting a new stream, the memory is reset")
             self.worker.request_reset()
-        elif event is TimeEvent.GAP:
+        elif outcome.event is TimeEvent.GAP:
             self.get_logger().warning(
                 f"no frames for more than {self.sampler.max_gap_s:.1f} s of stamp time: "
                 "new segment, memory kept")
-        if not self.sampler.wants(stamp):
-            return
-        try:
-            if isinstance(msg, CompressedImage):
-                frame = decode_compressed(msg.format, msg.data)
-            else:
-                frame = decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data,
-                                   bool(msg.is_bigendian))
-        except FrameError as error:
-            self.bad_frames += 1
-            self.last_bad_frame = str(error)
-            self.get_logger().warning(f"dropped a camera frame: {error}",
-                                   throttle_duration_sec=5.0)
+        if outcome.error:
+            self.get_logger().warning(f"dropped a camera frame: {outcome.error}",
+                                      throttle_duration_sec=5.0)
+        if outcome.chunk is None:
             return
         self.frame_id = msg.header.frame_id
-        chunk = self.sampler.add(frame, stamp)
-        if chunk is not None and self.worker.submit_chunk(chunk):
+        if self.worker.submit_chunk(outcome.chunk):
             self.get_logger().warning(
                 "the model is slower than the stream: dropped the oldest waiting chunk(s) "
                 f"({self.worker.counters.chunks_dropped} so far)", throttle_duration_sec=5.0)
@@ -283,14 +272,15 @@ class MemoryNode(Node):
             level, message = DiagnosticStatus.WARN, f"no camera frames for {silent_s:.0f} s"
         elif self.worker.queue_depth >= self.values["queue_chunks"] or counters.chunks_dropped:
             level, message = DiagnosticStatus.WARN, "model slower than real time: chunks dropped"
-        elif self.bad_frames:
-            level, message = DiagnosticStatus.WARN, f"bad frames: {self.last_bad_frame}"
+        elif self.gate.bad_frames or self.callback_errors:
+            level, message = DiagnosticStatus.WARN, f"bad frames: {self.gate.last_error}"
         values = {
             "input_rate_hz": f"{frames_per_s:.1f}",
             "frames_received": sampler.received,
             "frames_sampled": sampler.sampled,
             "frames_dropped": sampler.dropped_frames,
-            "frames_bad": self.bad_frames,
+            "frames_bad": self.gate.bad_frames,
+            "callback_errors": self.callback_errors,
             "time_jumps_back": sampler.time_jumps_back,
             "time_gaps": sampler.time_gaps,
             "chunks_processed": counters.chunks_processed,

@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 from deltas_ros.frames import (
     SUPPORTED_ENCODINGS,
     FrameError,
+    FrameGate,
     FrameSampler,
     SampledChunk,
     TimeEvent,
     decode_compressed,
+    decode_message,
     decode_raw,
     stamp_to_seconds,
 )
@@ -424,3 +426,35 @@ def test_add_before_observe_is_an_error():
 def test_sampler_validates_arguments(kwargs, expected):
     with pytest.raises(ValueError, match=expected):
         FrameSampler(**kwargs)
+
+
+def test_frame_gate_decodes_only_sampled_frames_and_counts_bad_ones():
+    gate = FrameGate(FrameSampler(fps=2.0, frames_per_chunk=2))
+    decoded, chunks = [], []
+
+    def decoder(i: int):
+        def decode() -> np.ndarray:
+            decoded.append(i)
+            if i == 15:
+                raise FrameError("corrupt")
+            return np.zeros((4, 4, 3), np.uint8)
+        return decode
+
+    for i in range(60):
+        outcome = gate.push(100.0 + i / 30, decoder(i))
+        if outcome.chunk is not None:
+            chunks.append(outcome.chunk)
+        assert outcome.error == ("corrupt" if i == 15 else "")
+    assert decoded == [0, 15, 16, 30, 45]  # the bad frame's slot stays open for the next one
+    assert gate.bad_frames == 1 and len(chunks) == 2
+
+
+def test_decode_message_handles_raw_and_compressed_messages():
+    from types import SimpleNamespace
+
+    raw = SimpleNamespace(encoding="mono8", height=2, width=2, step=2, data=bytes([0, 1, 2, 3]),
+                          is_bigendian=0)
+    assert decode_message(raw)[1, 1].tolist() == [3, 3, 3]
+    ok, png = cv2.imencode(".png", np.full((3, 5, 3), 7, np.uint8))
+    compressed = SimpleNamespace(format="png", data=png.tobytes())
+    assert decode_message(compressed).shape == (3, 5, 3)
