@@ -13,7 +13,9 @@ the model never blocks frames (which never wait for the model either).
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import rclpy
@@ -52,6 +54,7 @@ from .worker import MemoryWorker
 
 ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or question
 FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
+NOT_READY = "not ready: the model is still loading"
 
 
 def to_time_msg(seconds: float) -> Time:
@@ -71,27 +74,26 @@ class MemoryNode(Node):
         self.add_on_set_parameters_callback(self._on_set_parameters)
 
         p = self.values
-        loaded = load_model(p["model_path"], p["device"], p["dtype"])
-        self.get_logger().info(
-            f"loaded {loaded.path} on {loaded.device} ({str(loaded.dtype)[6:]}, "
-            f"gated delta kernels: {'fla' if loaded.fla_kernels else 'torch'})"
-        )
-        self.memory = StreamingMemory(loaded, params.memory_config(p))
+        if not (Path(p["model_path"]) / "config.json").is_file():
+            raise FileNotFoundError(f"no model at {p['model_path']}: config.json is missing")
         self.sampler = FrameSampler(p["fps"], p["frames_per_chunk"], p["max_gap_s"])
         self.gate = FrameGate(self.sampler)
         self.frame_id = ""
         self.callback_errors = 0
+        self.chunks_before_ready = 0
         self.frames_at_last_report = 0
         self.last_frame_wall = 0.0
         self.started_wall = time.monotonic()
         self.last_result: ChunkResult | None = None
-        self.stats = self.memory.stats()  # refreshed by the worker after each chunk
         self.latencies_ms: list[float] = []
+        # Set by the loader thread; `worker` is assigned last and means "ready".
+        self.memory: StreamingMemory | None = None
+        self.stats = None  # refreshed by the worker after each chunk
+        self.worker: MemoryWorker | None = None
+        self.load_error = ""
 
         self.drift_pub = self.create_publisher(DriftScore, "~/drift", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self.worker = MemoryWorker(self.memory, self._on_chunk_done, p["queue_chunks"])
-
         services = ReentrantCallbackGroup()
         self.create_service(AskMemory, "~/ask_memory", self._ask, callback_group=services)
         self.create_service(Trigger, "~/reset_memory", self._reset, callback_group=services)
@@ -100,6 +102,26 @@ class MemoryNode(Node):
                           callback_group=MutuallyExclusiveCallbackGroup(),
                           clock=Clock(clock_type=ClockType.STEADY_TIME))
         self._subscribe_camera()
+        threading.Thread(target=self._load_model, name="deltas_memory_loader",
+                         daemon=True).start()
+
+    def _load_model(self) -> None:
+        """Load in the background so services answer "not ready" instead of not existing."""
+        p = self.values
+        try:
+            loaded = load_model(p["model_path"], p["device"], p["dtype"])
+            memory = StreamingMemory(loaded, params.memory_config(p))
+        except Exception as error:  # any failure to load is fatal, with its reason
+            self.load_error = f"cannot load the model from {p['model_path']}: {error}"
+            self.get_logger().fatal(self.load_error)
+            rclpy.try_shutdown(context=self.context)
+            return
+        self.memory, self.stats = memory, memory.stats()
+        self.worker = MemoryWorker(memory, self._on_chunk_done, p["queue_chunks"])
+        self.get_logger().info(
+            f"ready: {loaded.path} on {loaded.device} ({str(loaded.dtype)[6:]}, gated delta "
+            f"kernels: {'fla' if loaded.fla_kernels else 'torch'}), budget "
+            f"{memory.config.budget_tokens} tokens, policy {memory.config.policy}")
 
     # ----------------------------------------------------------------------------- parameters
     def _declare_parameters(self) -> dict[str, Any]:
@@ -124,7 +146,6 @@ class MemoryNode(Node):
         if problem:
             return SetParametersResult(successful=False, reason=problem)
         self.values = proposed
-        self.memory.config.max_new_tokens = proposed["max_new_tokens"]
         return SetParametersResult(successful=True)
 
     # ----------------------------------------------------------------------------- camera
@@ -178,7 +199,8 @@ class MemoryNode(Node):
             self.get_logger().warning(
                 f"camera stamps jumped back to {stamp:.3f} (a looped bag or a reset clock): "
                 "starting a new stream, the memory is reset")
-            self.worker.request_reset()
+            if self.worker is not None:
+                self.worker.request_reset()
         elif outcome.event is TimeEvent.GAP:
             self.get_logger().warning(
                 f"no frames for more than {self.sampler.max_gap_s:.1f} s of stamp time: "
@@ -189,6 +211,9 @@ class MemoryNode(Node):
         if outcome.chunk is None:
             return
         self.frame_id = msg.header.frame_id
+        if self.worker is None:
+            self.chunks_before_ready += 1
+            return
         if self.worker.submit_chunk(outcome.chunk):
             self.get_logger().warning(
                 "the model is slower than the stream: dropped the oldest waiting chunk(s) "
@@ -220,13 +245,16 @@ class MemoryNode(Node):
         start = time.perf_counter()
         question = request.question
         limit = self.values["max_question_chars"]
-        if not question.strip():
+        if self.worker is None:
+            response.error = NOT_READY
+        elif not question.strip():
             response.error = "the question is empty"
         elif len(question) > limit:
             response.error = f"the question has {len(question)} characters; the limit is {limit}"
         else:
             try:
-                answer = self.worker.ask(question, request.max_new_tokens or None,
+                answer = self.worker.ask(question,
+                                         request.max_new_tokens or self.values["max_new_tokens"],
                                          self.values["ask_timeout_s"])
             except (RuntimeError, TimeoutError) as error:
                 response.error = str(error)
@@ -245,6 +273,9 @@ class MemoryNode(Node):
         return response
 
     def _reset(self, _request: Trigger.Request, response: Trigger.Response):
+        if self.worker is None:
+            response.message = NOT_READY
+            return response
         try:
             self.worker.reset(self.values["ask_timeout_s"])
             self.sampler.reset()
@@ -256,8 +287,12 @@ class MemoryNode(Node):
 
     # ----------------------------------------------------------------------------- health
     def _publish_diagnostics(self) -> None:
-        counters, sampler, result = self.worker.counters, self.sampler, self.last_result
-        stats = self.stats
+        if self.worker is None:
+            self._publish_status(DiagnosticStatus.WARN, "loading the model",
+                                 {"model": self.values["model_path"]})
+            return
+        counters, sampler, result, stats = (self.worker.counters, self.sampler,
+                                            self.last_result, self.stats)
         now = time.monotonic()
         frames_per_s = sampler.received - self.frames_at_last_report
         self.frames_at_last_report = sampler.received
@@ -284,7 +319,7 @@ class MemoryNode(Node):
             "time_jumps_back": sampler.time_jumps_back,
             "time_gaps": sampler.time_gaps,
             "chunks_processed": counters.chunks_processed,
-            "chunks_dropped": counters.chunks_dropped,
+            "chunks_dropped": counters.chunks_dropped + self.chunks_before_ready,
             "chunks_failed": counters.chunks_failed,
             "questions_answered": counters.questions_answered,
             "questions_failed": counters.questions_failed,
@@ -300,16 +335,20 @@ class MemoryNode(Node):
             "model": str(self.memory.loaded.path),
             "policy": self.memory.config.policy,
         }
+        self._publish_status(level, message, values)
+
+    def _publish_status(self, level: bytes, message: str, values: dict[str, Any]) -> None:
+        device = str(self.memory.device) if self.memory else self.values["device"]
         status = DiagnosticStatus(
             level=level, name=f"{self.get_name()}: video memory", message=message,
-            hardware_id=str(self.memory.device),
-            values=[KeyValue(key=k, value=str(v)) for k, v in values.items()],
+            hardware_id=device, values=[KeyValue(key=k, value=str(v)) for k, v in values.items()],
         )
         self.diag_pub.publish(DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()),
                                               status=[status]))
 
     def destroy_node(self) -> None:
-        self.worker.stop()
+        if self.worker is not None:
+            self.worker.stop()
         super().destroy_node()
 
 
@@ -331,7 +370,7 @@ def main(args: list[str] | None = None) -> int:
         executor.shutdown()
         node.destroy_node()
         rclpy.try_shutdown()
-    return 0
+    return 1 if node.load_error else 0
 
 
 if __name__ == "__main__":

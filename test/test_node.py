@@ -106,12 +106,14 @@ class Tester:
             self.diagnostics.append(msg)
 
     def wait_ready(self, process: subprocess.Popen, timeout: float = 90.0) -> None:
+        """Until the model is loaded: an empty question is refused as empty, not "not ready"."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise AssertionError(f"node exited early: {process.stderr.read()}")
             if self.ask_client.service_is_ready() and self.camera.get_subscription_count():
-                return
+                if "not ready" not in self.ask(" ", timeout=10).error:
+                    return
             time.sleep(0.1)
         raise AssertionError("node did not come up")
 
@@ -123,9 +125,11 @@ class Tester:
             time.sleep(0.02)
         return future.result()
 
-    def ask(self, question: str, max_new_tokens: int = 0) -> AskMemory.Response:
+    def ask(self, question: str, max_new_tokens: int = 0,
+            timeout: float = 60.0) -> AskMemory.Response:
         return self.call(self.ask_client,
-                         AskMemory.Request(question=question, max_new_tokens=max_new_tokens))
+                         AskMemory.Request(question=question, max_new_tokens=max_new_tokens),
+                         timeout)
 
     def reset(self) -> None:
         assert self.call(self.reset_client, Trigger.Request()).success
@@ -387,6 +391,14 @@ def test_missing_model_refuses_to_start(tmp_path, ros_domain):
     process.wait(timeout=60)
     assert process.returncode == 1
     assert "no model at" in process.stderr.read()
+
+
+def test_corrupt_model_stops_the_node_with_the_reason(tmp_path, ros_domain):
+    (tmp_path / "config.json").write_text("{ this is not json")
+    process = start(tmp_path, ros_domain)
+    process.wait(timeout=60)
+    assert process.returncode == 1
+    assert "cannot load the model" in process.stderr.read()
 
 
 def test_sigint_stops_cleanly(raw_node):

@@ -104,8 +104,8 @@ def test_setup_py_installs_the_ros_free_core_and_cli_into_a_plain_venv(tmp_path)
     multi-GB download in a test); rclpy is made unimportable in the checks.
     """
     source = tmp_path / "src"
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     for name in files:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_bytes((REPO / name).read_bytes())

@@ -1,0 +1,171 @@
+"""MemoryWorker without ROS: bounded queue, questions between chunks, order, failures, stop."""
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from deltas_ros.frames import SampledChunk
+from deltas_ros.worker import MemoryWorker
+
+
+@dataclass
+class FakeMemory:
+    """Records what the worker asked of it; each chunk takes `chunk_s` seconds."""
+
+    chunk_s: float = 0.0
+    log: list = field(default_factory=list)
+    fail_on: set = field(default_factory=set)
+    gate: threading.Event = field(default_factory=threading.Event)
+
+    def add_chunk(self, frames, times, stamp=None):
+        self.gate.wait(5)
+        time.sleep(self.chunk_s)
+        index = int(times[0])
+        if index in self.fail_on:
+            raise RuntimeError("out of memory")
+        self.log.append(("chunk", index))
+        return index
+
+    def ask(self, question, max_new_tokens=None):
+        if not question:
+            raise ValueError("the question is empty")
+        self.log.append(("ask", question))
+        return f"answer to {question}"
+
+    def reset(self):
+        self.log.append(("reset",))
+
+
+def chunk(i: int) -> SampledChunk:
+    return SampledChunk(index=i, frames=[np.zeros((2, 2, 3), np.uint8)] * 2,
+                        stamps=[float(i), i + 0.5], times=[float(i), i + 0.5])
+
+
+def make_worker(memory: FakeMemory, queue: int = 4):
+    done = []
+    worker = MemoryWorker(memory, lambda c, r: done.append(c.index), queue_chunks=queue,
+                          poll_s=0.01)
+    return worker, done
+
+
+def test_chunks_are_processed_in_order():
+    memory = FakeMemory()
+    memory.gate.set()
+    worker, done = make_worker(memory)
+    for i in range(4):
+        worker.submit_chunk(chunk(i))
+    deadline = time.monotonic() + 5
+    while len(done) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.stop()
+    assert done == [0, 1, 2, 3] and worker.counters.chunks_processed == 4
+
+
+def test_overflow_drops_the_oldest_waiting_chunks_and_counts_them():
+    memory = FakeMemory()  # gate closed: the worker is stuck in chunk 0
+    worker, done = make_worker(memory, queue=3)
+    worker.submit_chunk(chunk(0))
+    time.sleep(0.05)
+    dropped = sum(worker.submit_chunk(chunk(i)) for i in range(1, 7))
+    assert dropped == 3 and worker.counters.chunks_dropped == 3
+    assert worker.queue_depth == 3
+    memory.gate.set()
+    deadline = time.monotonic() + 5
+    while len(done) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.stop()
+    assert done == [0, 4, 5, 6]  # the newest video is kept
+
+
+def test_questions_are_answered_between_chunks_before_waiting_chunks_in_arrival_order():
+    memory = FakeMemory(chunk_s=0.01)
+    worker, _ = make_worker(memory, queue=10)
+    for i in range(3):
+        worker.submit_chunk(chunk(i))
+    answers = {}
+
+    def planner(n: int) -> None:
+        answers[n] = worker.ask(f"q{n}", None, timeout_s=5)
+
+    threads = []
+    for n in range(5):
+        threads.append(threading.Thread(target=planner, args=(n,)))
+        threads[-1].start()
+        time.sleep(0.02)  # a definite order of arrival
+    memory.gate.set()
+    for t in threads:
+        t.join(5)
+    worker.stop()
+    asks = [entry[1] for entry in memory.log if entry[0] == "ask"]
+    assert asks == [f"q{n}" for n in range(5)]
+    assert answers == {n: f"answer to q{n}" for n in range(5)}
+    # All questions came before the chunks that were waiting when they arrived.
+    first_ask = memory.log.index(("ask", "q0"))
+    assert [e for e in memory.log[:first_ask] if e[0] == "chunk"] == [("chunk", 0)]
+
+
+def test_reset_keeps_its_place_among_chunks():
+    memory = FakeMemory()
+    worker, _ = make_worker(memory, queue=10)
+    worker.submit_chunk(chunk(0))
+    worker.request_reset()
+    worker.submit_chunk(chunk(1))
+    memory.gate.set()
+    time.sleep(0.3)
+    worker.stop()
+    assert memory.log == [("chunk", 0), ("reset",), ("chunk", 1)]
+
+
+def test_a_failing_chunk_is_counted_and_the_worker_goes_on():
+    memory = FakeMemory(fail_on={1})
+    memory.gate.set()
+    worker, done = make_worker(memory)
+    for i in range(3):
+        worker.submit_chunk(chunk(i))
+    time.sleep(0.3)
+    worker.stop()
+    assert done == [0, 2]
+    assert worker.counters.chunks_failed == 1 and "out of memory" in worker.counters.last_error
+
+
+def test_caller_errors_come_back_as_errors():
+    memory = FakeMemory()
+    memory.gate.set()
+    worker, _ = make_worker(memory)
+    with pytest.raises(RuntimeError, match="empty"):
+        worker.ask("", None, timeout_s=5)
+    worker.stop()
+
+
+def test_a_question_times_out_when_the_worker_is_busy():
+    memory = FakeMemory()  # gate closed
+    worker, _ = make_worker(memory)
+    worker.submit_chunk(chunk(0))
+    time.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        worker.ask("anyone?", None, timeout_s=0.2)
+    memory.gate.set()
+    worker.stop()
+
+
+def test_stop_fails_waiting_questions_and_refuses_new_work():
+    memory = FakeMemory()  # gate closed: stuck in chunk 0
+    worker, _ = make_worker(memory)
+    worker.submit_chunk(chunk(0))
+    time.sleep(0.05)
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(
+        pytest.raises(RuntimeError, worker.ask, "late", None, 5)))
+    t.start()
+    time.sleep(0.05)
+    stopper = threading.Thread(target=worker.stop)
+    stopper.start()
+    memory.gate.set()
+    stopper.join(5)
+    t.join(5)
+    assert errors and "shutting down" in str(errors[0].value)
+    with pytest.raises(RuntimeError, match="shutting down"):
+        worker.ask("after", None, 1)
