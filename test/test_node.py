@@ -270,6 +270,27 @@ def test_same_input_at_1x_and_2x_gives_the_same_chunks(raw_node):
         assert d1 == pytest.approx(d2, rel=1e-6)
 
 
+def test_ten_planners_at_once_get_answers_and_leave_the_memory_untouched(raw_node):
+    tester, _ = raw_node
+    runs, answers = [], []
+
+    def ten_planners(i: int) -> None:
+        if i == 45:
+            for n in range(10):
+                threading.Thread(target=lambda n=n: answers.append(
+                    tester.ask(f"planner {n}: what is in front of you?")), daemon=True).start()
+
+    for with_questions in (True, False):
+        tester.reset()
+        tester.stream(4.0, on_frame=ten_planners if with_questions else None)
+        tester.wait_for(lambda: len(tester.drift) >= 4 and len(answers) == 10)
+        time.sleep(0.5)
+        with tester.lock:
+            runs.append([(m.chunk_index, m.drift, m.kv_tokens) for m in tester.drift])
+    assert all(a.success for a in answers), [a.error for a in answers]
+    assert runs[0] == runs[1]  # the same drift, chunk by chunk: questions left no trace
+
+
 def test_bad_frames_are_counted_and_the_node_keeps_running(raw_node):
     tester, process = raw_node
     tester.reset()
