@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .frames import SampledChunk
 from .memory import Answer, ChunkResult, StreamingMemory
@@ -38,11 +39,12 @@ class WorkerCounters:
 
 @dataclass
 class _Request:
-    kind: str  # "ask" or "reset"
+    kind: str  # "ask", "reset" or "call"
     question: str = ""
     max_new_tokens: int | None = None
+    function: Callable[[StreamingMemory], Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    answer: Answer | None = None
+    answer: Any = None
     error: str = ""
 
 
@@ -90,6 +92,15 @@ class MemoryWorker:
         request = self._submit(_Request("ask", question, max_new_tokens), self._questions)
         return self._wait(request, timeout_s)
 
+    def call(self, function: Callable[[StreamingMemory], Any], timeout_s: float) -> Any:
+        """Run function(memory) on the worker between chunks (like a question); its result.
+
+        For whole-memory operations such as saving and loading, which must not interleave with
+        a chunk.
+        """
+        request = self._submit(_Request("call", function=function), self._questions)
+        return self._wait(request, timeout_s)
+
     def reset(self, timeout_s: float) -> None:
         """Forget everything, in order with the chunks already queued."""
         self._wait(self._submit(_Request("reset"), self._chunks), timeout_s)
@@ -119,7 +130,7 @@ class MemoryWorker:
             self._lock.notify()
         return request
 
-    def _wait(self, request: _Request, timeout_s: float) -> Answer | None:
+    def _wait(self, request: _Request, timeout_s: float) -> Any:
         if not request.done.wait(timeout_s):
             raise TimeoutError(f"no answer within {timeout_s:.1f} s (the worker is busy)")
         if request.error:
@@ -168,10 +179,12 @@ class MemoryWorker:
             if request.kind == "ask":
                 request.answer = self.memory.ask(request.question, request.max_new_tokens)
                 self.counters.questions_answered += 1
+            elif request.kind == "call":
+                request.answer = request.function(self.memory)
             else:
                 self.memory.reset()
                 self.counters.resets += 1
-        except ValueError as error:  # the caller's mistake (e.g. empty question)
+        except ValueError as error:  # the caller's mistake (e.g. empty question, bad file)
             request.error = str(error)
         except Exception as error:  # reported to the caller; the worker goes on
             request.error = f"{request.kind} failed: {error}"

@@ -169,3 +169,25 @@ def test_stop_fails_waiting_questions_and_refuses_new_work():
     assert errors and "shutting down" in str(errors[0].value)
     with pytest.raises(RuntimeError, match="shutting down"):
         worker.ask("after", None, 1)
+
+
+def test_call_runs_on_the_worker_between_chunks():
+    memory = FakeMemory()
+    memory.gate.set()
+    worker, _ = make_worker(memory)
+    thread_names = []
+
+    def snapshot(mem):
+        thread_names.append(threading.current_thread().name)
+        return len(mem.log)
+
+    worker.submit_chunk(chunk(0))
+    time.sleep(0.1)
+    assert worker.call(snapshot, timeout_s=5) == 1
+    assert thread_names == ["deltas_memory_worker"]
+    def refuse(mem):
+        raise ValueError("bad file")
+
+    with pytest.raises(RuntimeError, match="bad file"):
+        worker.call(refuse, timeout_s=5)
+    worker.stop()
