@@ -1,0 +1,191 @@
+"""Saving and loading a memory: bit-identical continuation, the file format, refusals."""
+
+import json
+import pickle
+import stat
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from test_memory import SMALL, feed
+
+from deltas_ros import persist
+from deltas_ros.memory import MemoryConfig, MemoryState, StreamingMemory
+from deltas_ros.model import load_model, make_model, tiny_config
+from deltas_ros.persist import MemoryFileError, config_sha256, load_memory, save_memory
+
+CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, compact_margin=64, **SMALL)
+
+
+def frozen(memory: StreamingMemory) -> MemoryState:
+    """A copy of the memory's whole state that later changes to the memory cannot reach."""
+    state = memory.export_state()
+    state.tensors = {name: t.clone() for name, t in state.tensors.items()}
+    return state
+
+
+def assert_same_state(a: MemoryState, b: MemoryState) -> None:
+    """Bitwise equal tensors and equal counters."""
+    assert a.tensors.keys() == b.tensors.keys()
+    for name in a.tensors:
+        assert torch.equal(a.tensors[name], b.tensors[name]), name
+    assert (a.next_position, a.chunks_seen, a.compactions, a.chunk_stamps) == (
+        b.next_position, b.chunks_seen, b.compactions, b.chunk_stamps)
+
+
+def test_loaded_memory_continues_bit_identically(tiny_model, tmp_path):
+    original = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    original.max_positions = 300  # compactions before and after the restart
+    feed(original, range(14))
+    original.ask("What is on the table?")
+    path = save_memory(original, tmp_path / "memory.safetensors")
+    assert original.compactions >= 1
+
+    restored = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    restored.max_positions = 300
+    load_memory(restored, path)
+    assert_same_state(frozen(restored), frozen(original))
+
+    later = range(14, 26)
+    continued, never_stopped = feed(restored, later), feed(original, later)
+    assert [r.drift for r in continued] == [r.drift for r in never_stopped]
+    assert [r.layer_drift for r in continued] == [r.layer_drift for r in never_stopped]
+    assert sum(r.positions_freed for r in continued) > 0
+    assert_same_state(frozen(restored), frozen(original))
+    assert restored.ask("And now?").text == original.ask("And now?").text
+
+
+def test_memory_file_is_one_private_safetensors_file(tiny_model, tmp_path):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    feed(memory, range(3))
+    path = save_memory(memory, tmp_path / "sub" / "memory.safetensors", extra={"bag": "run3"})
+
+    assert [p.name for p in path.parent.iterdir()] == ["memory.safetensors"]  # no temp files
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with safe_open(path, framework="pt") as file:
+        metadata = json.loads(file.metadata()[persist.METADATA_KEY])
+        assert set(file.keys()) == set(memory.export_state().tensors)
+    assert metadata["format_version"] == persist.FORMAT_VERSION
+    assert metadata["model"] == {"name": "tiny",
+                                 "config_sha256": config_sha256(tiny_model.model.config)}
+    assert metadata["config"]["budget_tokens"] == 160 and metadata["config"]["policy"] == "deltas"
+    assert metadata["stream"]["chunks_seen"] == 3 and metadata["stream"]["last_stamp"] == 1002.0
+    assert metadata["extra"] == {"bag": "run3"} and len(metadata["sha256"]) == 64
+    assert load_memory(memory, path) == metadata
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_model, tmp_path_factory):
+    """A memory file of 4 chunks saved with CONFIG."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    feed(memory, range(4))
+    return save_memory(memory, tmp_path_factory.mktemp("saved") / "memory.safetensors")
+
+
+def rewrite(source, target, change, keep_checksum=True):
+    """Copy a memory file with `change(metadata, tensors)` applied; re-sign it unless told not."""
+    with safe_open(source, framework="pt") as file:
+        metadata = json.loads(file.metadata()[persist.METADATA_KEY])
+        tensors = {name: file.get_tensor(name) for name in file.keys()}
+    change(metadata, tensors)
+    if not keep_checksum:
+        metadata.pop("sha256")
+        metadata["sha256"] = persist._checksum(metadata, tensors)
+    save_file(tensors, target, metadata={persist.METADATA_KEY: json.dumps(metadata)})
+    return target
+
+
+def truncated(source, target):
+    target.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
+    return target
+
+
+def flipped_byte(source, target):
+    data = bytearray(source.read_bytes())
+    data[-100] ^= 0x01  # inside the last tensor's bytes
+    target.write_bytes(bytes(data))
+    return target
+
+
+def other_version(source, target):
+    return rewrite(source, target, lambda m, t: m.update(format_version=2))
+
+
+def moved_position(source, target):
+    return rewrite(source, target, lambda m, t: m["stream"].update(next_position=9))
+
+
+def missing_tensor(source, target):
+    return rewrite(source, target, lambda m, t: t.pop("slots.score"), keep_checksum=False)
+
+
+def not_a_memory_file(source, target):
+    target.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}" + b" " * 14)
+    return target
+
+
+@pytest.mark.parametrize("make_bad, config, match", [
+    (truncated, {}, "truncated"),
+    (flipped_byte, {}, "checksum"),
+    (moved_position, {}, "checksum"),
+    (other_version, {}, "format version 2"),
+    (missing_tensor, {}, "missing \\['slots.score'\\]"),
+    (not_a_memory_file, {}, "not a deltas_ros memory file"),
+    (None, {"budget_tokens": 200}, "budget_tokens 160 \\(this memory: 200\\)"),
+    (None, {"policy": "recency", "window_tokens": 50}, "window_tokens 40.*policy 'deltas'"),
+], ids=["truncated", "flipped-byte", "edited-metadata", "format-version", "missing-tensor",
+        "not-a-memory-file", "budget", "policy"])
+def test_bad_files_are_refused_and_change_nothing(tiny_model, saved, tmp_path, make_bad, config,
+                                                  match):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**(CONFIG | config)))
+    feed(memory, range(10, 12))
+    before = frozen(memory)
+    path = make_bad(saved, tmp_path / "bad.safetensors") if make_bad else saved
+    with pytest.raises(MemoryFileError, match=match):
+        load_memory(memory, path)
+    assert_same_state(frozen(memory), before)
+
+
+def test_a_pickle_is_refused_without_running_it(tiny_model, tmp_path):
+    flag = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return exec, (f"open({str(flag)!r}, 'w').write('ran')",)
+
+    path = tmp_path / "memory.safetensors"
+    path.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(MemoryFileError):
+        load_memory(StreamingMemory(tiny_model, MemoryConfig(**CONFIG)), path)
+    assert not flag.exists()
+
+
+def test_a_file_from_another_model_is_refused(tiny_model, tmp_path):
+    config = tiny_config()
+    config.text_config.intermediate_size = 96
+    other = StreamingMemory(load_model(make_model(tmp_path / "other", config), device="cpu"),
+                            MemoryConfig(**CONFIG))
+    path = save_memory(other, tmp_path / "memory.safetensors")
+    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    before = frozen(memory)
+    with pytest.raises(MemoryFileError, match="another model: 'other'.*this memory runs 'tiny'"):
+        load_memory(memory, path)
+    assert_same_state(frozen(memory), before)
+
+
+def test_a_failed_save_keeps_the_previous_file(tiny_model, tmp_path, monkeypatch):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    path = save_memory(memory, tmp_path / "memory.safetensors")
+    previous = path.read_bytes()
+    feed(memory, range(2))
+
+    def disk_full(tensors, filename, metadata):
+        open(filename, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(persist, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        save_memory(memory, path)
+    assert path.read_bytes() == previous
+    assert [p.name for p in tmp_path.iterdir()] == ["memory.safetensors"]
