@@ -237,6 +237,14 @@ class FrameSampler:
         self._first = self._last = None
         self._index = 0
 
+    def resume(self, stream_start: float, last_stamp: float, next_index: int) -> None:
+        """Continue a saved stream (after a restart): stream times still count from its start,
+        chunk indices go on, and stamps before `last_stamp` are a jump back (a new stream)."""
+        self._drop_partial()
+        self._first, self._last = stream_start, last_stamp
+        self._origin = self._next_due = last_stamp
+        self._index = next_index
+
     def _start(self, stamp: float) -> None:
         self._first = self._origin = self._next_due = stamp
         self._index = 0

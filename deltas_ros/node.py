@@ -12,6 +12,7 @@ the model never blocks frames (which never wait for the model either).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -49,7 +50,8 @@ from .frames import (
 from .memory import ChunkResult, StreamingMemory
 from .model import load_model
 from .msg import DriftScore
-from .srv import AskMemory
+from .persist import load_memory, save_memory
+from .srv import AskMemory, MemoryFile
 from .worker import MemoryWorker
 
 ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or question
@@ -91,12 +93,16 @@ class MemoryNode(Node):
         self.stats = None  # refreshed by the worker after each chunk
         self.worker: MemoryWorker | None = None
         self.load_error = ""
+        self.last_chunk: SampledChunk | None = None  # the newest chunk in memory
+        self.frame_lock = threading.Lock()  # the sampler between camera and load_memory
 
         self.drift_pub = self.create_publisher(DriftScore, "~/drift", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         services = ReentrantCallbackGroup()
         self.create_service(AskMemory, "~/ask_memory", self._ask, callback_group=services)
         self.create_service(Trigger, "~/reset_memory", self._reset, callback_group=services)
+        self.create_service(MemoryFile, "~/save_memory", self._save, callback_group=services)
+        self.create_service(MemoryFile, "~/load_memory", self._load, callback_group=services)
         # Steady time: health must be reported even when a replayed /clock stops.
         self.create_timer(1.0, self._publish_diagnostics,
                           callback_group=MutuallyExclusiveCallbackGroup(),
@@ -116,6 +122,11 @@ class MemoryNode(Node):
             self.get_logger().fatal(self.load_error)
             rclpy.try_shutdown(context=self.context)
             return
+        if p["load_on_start"] and self._memory_path("").exists():
+            try:
+                self._restore_from(memory, self._memory_path(""))
+            except (ValueError, OSError) as error:
+                self.get_logger().error(f"load_on_start: {error}; starting with an empty memory")
         self.memory, self.stats = memory, memory.stats()
         self.worker = MemoryWorker(memory, self._on_chunk_done, p["queue_chunks"])
         self.get_logger().info(
@@ -194,7 +205,8 @@ class MemoryNode(Node):
     def _take_frame(self, msg: Image | CompressedImage) -> None:
         self.last_frame_wall = time.monotonic()
         stamp = message_stamp(msg)
-        outcome = self.gate.push(stamp, lambda: decode_message(msg))
+        with self.frame_lock:
+            outcome = self.gate.push(stamp, lambda: decode_message(msg))
         if outcome.event is TimeEvent.JUMP_BACK:
             self.get_logger().warning(
                 f"camera stamps jumped back to {stamp:.3f} (a looped bag or a reset clock): "
@@ -221,8 +233,14 @@ class MemoryNode(Node):
 
     def _on_chunk_done(self, chunk: SampledChunk, result: ChunkResult) -> None:
         """Worker thread: publish the chunk's drift."""
-        self.last_result = result
+        self.last_result, self.last_chunk = result, chunk
         self.stats = self.memory.stats()
+        every = self.values["autosave_chunks"]
+        if every and (chunk.index + 1) % every == 0:
+            try:
+                self._save_to(self.memory, self._memory_path(""))
+            except (ValueError, OSError) as error:
+                self.get_logger().error(f"autosave failed: {error}", throttle_duration_sec=60.0)
         self.latencies_ms = (self.latencies_ms + [
             result.forward_ms + result.signal_ms + result.evict_ms])[-30:]
         msg = DriftScore()
@@ -284,6 +302,59 @@ class MemoryNode(Node):
         else:
             response.success, response.message = True, "memory reset"
         return response
+
+    def _save(self, request: MemoryFile.Request, response: MemoryFile.Response):
+        return self._file_service(request, response, self._save_to, "saved")
+
+    def _load(self, request: MemoryFile.Request, response: MemoryFile.Response):
+        return self._file_service(request, response, self._restore_from, "loaded")
+
+    def _file_service(self, request, response, action, verb: str):
+        path = self._memory_path(request.path)
+        response.path = str(path)
+        if self.worker is None:
+            response.message = NOT_READY
+            return response
+        try:
+            self.worker.call(lambda memory: action(memory, path), self.values["ask_timeout_s"])
+        except (RuntimeError, TimeoutError) as error:
+            response.message = str(error)
+        else:
+            response.success = True
+            response.chunks = self.memory.chunks_seen
+            response.message = f"{verb} {response.chunks} chunks ({self.memory.kv_tokens} " \
+                "KV tokens)"
+        self.get_logger().info(f"{verb if response.success else 'failed'}: {path}: "
+                               f"{response.message}")
+        return response
+
+    def _memory_path(self, requested: str) -> Path:
+        chosen = requested or self.values["memory_file"]
+        if chosen:
+            return Path(chosen).expanduser()
+        ros_home = Path(os.environ.get("ROS_HOME", Path.home() / ".ros"))
+        return ros_home / "deltas_ros" / "memory.safetensors"
+
+    def _save_to(self, memory: StreamingMemory, path: Path) -> None:
+        """Worker thread. The sampler's place in the stream goes along, so that a restarted
+        node continues the same stream times and chunk indices."""
+        chunk = self.last_chunk
+        stream = {} if chunk is None else {
+            "stream_start": chunk.stamps[-1] - chunk.times[-1],
+            "last_stamp": chunk.stamps[-1],
+            "next_chunk_index": chunk.index + 1,
+        }
+        save_memory(memory, path, extra={"stream": stream})
+
+    def _restore_from(self, memory: StreamingMemory, path: Path) -> None:
+        stream = load_memory(memory, path).get("extra", {}).get("stream", {})
+        with self.frame_lock:
+            if stream:
+                self.sampler.resume(stream["stream_start"], stream["last_stamp"],
+                                    stream["next_chunk_index"])
+            else:
+                self.sampler.reset()
+        self.stats = memory.stats()
 
     # ----------------------------------------------------------------------------- health
     def _publish_diagnostics(self) -> None:

@@ -74,6 +74,13 @@ PARAMS: tuple[Param, ...] = (
           high=100_000),
     Param("ask_timeout_s", 120.0, "How long a question may wait for the worker",
           read_only=False, low=0.1, high=3600.0),
+    Param("memory_file", "",
+          "File for ~/save_memory and ~/load_memory "
+          "(empty: $ROS_HOME/deltas_ros/memory.safetensors)"),
+    Param("autosave_chunks", 0, "Save the memory every N chunks (0 = never)", read_only=False,
+          low=0, high=10_000_000),
+    Param("load_on_start", False,
+          "Load memory_file at start-up if it exists, to continue where a previous run stopped"),
     Param("silence_warn_s", 3.0, "No camera frame for this long: diagnostics WARN",
           read_only=False, low=0.1, high=3600.0),
 )

@@ -184,7 +184,7 @@ class MemoryWorker:
             else:
                 self.memory.reset()
                 self.counters.resets += 1
-        except ValueError as error:  # the caller's mistake (e.g. empty question, bad file)
+        except (ValueError, OSError) as error:  # the caller's: empty question, missing file
             request.error = str(error)
         except Exception as error:  # reported to the caller; the worker goes on
             request.error = f"{request.kind} failed: {error}"

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import rclpy
 from deltas_ros.msg import DriftScore
-from deltas_ros.srv import AskMemory
+from deltas_ros.srv import AskMemory, MemoryFile
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
@@ -427,3 +427,36 @@ def test_sigint_stops_cleanly(raw_node):
     code, err = stop(process)
     assert code == 0
     assert "Traceback" not in err
+
+
+def test_saved_memory_continues_bit_identically_after_a_restart(tiny_model_dir, ros_domain,
+                                                                 tmp_path):
+    """Save after 3 s, restart with load_on_start, feed seconds 3-6: the same drift as a node
+    that never stopped, and the chunk indices go on."""
+    memory_file = tmp_path / "memory.safetensors"
+    runs = []
+    for load in (False, True):
+        process = start(tiny_model_dir, ros_domain, reliable_qos="true",
+                        memory_file=str(memory_file), load_on_start=str(load).lower())
+        tester = Tester()
+        try:
+            tester.wait_ready(process)
+            if not load:
+                tester.stream(3.0)
+                tester.wait_for(lambda t=tester: len(t.drift) >= 3)
+                time.sleep(0.5)
+                saved = tester.call(tester.node.create_client(
+                    MemoryFile, "/deltas_memory/save_memory"), MemoryFile.Request())
+                assert saved.success and saved.chunks == 3, saved.message
+                assert oct(memory_file.stat().st_mode & 0o777) == "0o600"
+            tester.stream(3.0, start=BASE_STAMP + 3.0)
+            tester.wait_for(lambda t=tester: sum(m.chunk_index >= 3 for m in t.drift) >= 3)
+            time.sleep(0.5)
+            with tester.lock:
+                runs.append([(m.chunk_index, m.stream_time, m.drift, m.kv_tokens)
+                             for m in tester.drift if m.chunk_index >= 3])
+        finally:
+            tester.close()
+            stop(process)
+    assert [r[0] for r in runs[1]] == [3, 4, 5]
+    assert runs[0] == runs[1]
