@@ -6,6 +6,12 @@
                      [--encoding rgb8|jpeg] [--storage mcap|sqlite3] [--topic T] [--seed 0]
     deltas-ros replay BAG [--rate 1.0] [--loop] [--max-loops N] [--clock] [--topic T ...]
                       [--best-effort]
+    deltas-ros run BAG_OR_VIDEO --model DIR [--out results.jsonl] [--policy deltas]
+                   [--budget 8192] [--window 1024] [--sinks 4] [--buckets 4]
+                   [--pixel-budget 102400] [--fps 2] [--device auto] [--dtype auto] [--topic T]
+                   [--ask "question" ...] [--max-new-tokens 64] [--quiet]
+    deltas-ros plot RESULTS [RESULTS ...] [--out plot.png]
+    deltas-ros ask "question" [--node /deltas_memory] [--max-new-tokens N] [--timeout 120]
 """
 
 from __future__ import annotations
@@ -58,6 +64,60 @@ def replay_command(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def run_command(args: argparse.Namespace) -> int:
+    """Feed a bag or video file through the memory at the node's sampling, without ROS."""
+    from .memory import MemoryConfig, StreamingMemory
+    from .model import load_model
+    from .offline import open_source, run_file
+
+    config = MemoryConfig(
+        budget_tokens=args.budget, sink_tokens=args.sinks, window_tokens=args.window,
+        buckets=args.buckets, policy=args.policy, max_new_tokens=args.max_new_tokens,
+    )
+    if args.pixel_budget is not None:
+        config.pixel_budget = args.pixel_budget
+    source = open_source(args.source, args.topic)  # a bad input fails before the model loads
+    memory = StreamingMemory(load_model(args.model, args.device, args.dtype), config)
+    summary, asked = run_file(memory, source, args.out, questions=args.ask or (),
+                              fps=args.fps, progress=not args.quiet)
+    held = summary.retained_times
+    span = f", {held[0]:.2f}-{held[-1]:.2f} s" if held else ""
+    print(f"{source.kind} {source.path}: {summary.frames} frames, {summary.sampled} sampled, "
+          f"{summary.bad_frames} bad, {summary.chunks} chunks, {summary.resets} resets "
+          f"in {summary.wall_s:.1f} s")
+    reasons = sorted(summary.bad_frame_reasons.items(), key=lambda item: -item[1])
+    for reason, count in reasons[:5]:
+        print(f"  bad frame x{count}: {reason}")
+    print(f"memory ({config.policy}): {summary.kv_tokens}/{config.budget_tokens} tokens, "
+          f"holds {len(held)} of {summary.chunks} chunks{span}")
+    for item in asked:
+        evidence = ", ".join(f"{t:.2f} s" for t in item.evidence_times) or "none"
+        print(f"Q: {item.question}\nA: {item.text}\n   evidence at {evidence} "
+              f"({item.latency_ms:.0f} ms)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def plot_command(args: argparse.Namespace) -> int:
+    """Plot drift over stream time and what each memory still holds, from results files."""
+    from .plot import plot_results
+
+    print(f"wrote {plot_results(args.results, args.out)}")
+    return 0
+
+
+def ask_command(args: argparse.Namespace) -> int:
+    """Ask a running memory node a question (its ~/ask_memory service)."""
+    from .ask_client import ask, format_response
+
+    try:
+        response = ask(args.question, args.node, args.max_new_tokens, args.timeout)
+    except TimeoutError as error:
+        raise RuntimeError(str(error)) from error
+    print(format_response(response))
+    return 0 if response.success else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltas-ros", description="DeltaS long-horizon video memory: tools."
@@ -97,7 +157,45 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--best-effort", action="store_true", help="sensor-data QoS instead of reliable"
     )
+    replay.add_argument("--wait", type=float, default=10.0,
+                        help="seconds to wait for subscribers before publishing anyway")
     replay.set_defaults(run=replay_command)
+
+    run = commands.add_parser("run", help=run_command.__doc__)
+    run.add_argument("source", help="rosbag2 directory or video file (any OpenCV can read)")
+    run.add_argument("--model", required=True, help="local Qwen3.5 model directory")
+    run.add_argument("--out", default="results.jsonl",
+                     help="results file: JSON lines, or CSV when it ends in .csv")
+    run.add_argument("--policy", default="deltas",
+                     help="retention signal (deltas, recency, uniform, random, ...)")
+    run.add_argument("--budget", type=int, default=8192, help="KV cache budget M in tokens")
+    run.add_argument("--window", type=int, default=1024, help="recent tokens always kept")
+    run.add_argument("--sinks", type=int, default=4, help="attention-sink tokens always kept")
+    run.add_argument("--buckets", type=int, default=4, help="temporal buckets")
+    run.add_argument("--pixel-budget", type=int,
+                     help="pixels per frame after resizing (default: 320x320, the node's)")
+    run.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
+    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    run.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                          "float16"])
+    run.add_argument("--topic", help="a bag's image topic (default: its only one)")
+    run.add_argument("--ask", action="append", metavar="QUESTION",
+                     help="ask at the end of the stream (repeatable)")
+    run.add_argument("--max-new-tokens", type=int, default=64, help="longest answer in tokens")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(run=run_command)
+
+    plot = commands.add_parser("plot", help=plot_command.__doc__)
+    plot.add_argument("results", nargs="+", help="results files of `deltas-ros run`")
+    plot.add_argument("--out", default="plot.png", help="PNG to write")
+    plot.set_defaults(run=plot_command)
+
+    ask = commands.add_parser("ask", help=ask_command.__doc__)
+    ask.add_argument("question")
+    ask.add_argument("--node", default="/deltas_memory", help="the memory node's name")
+    ask.add_argument("--max-new-tokens", type=int, default=0, help="0 = the node's default")
+    ask.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
+    ask.set_defaults(run=ask_command)
     return parser
 
 

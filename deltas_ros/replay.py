@@ -174,6 +174,7 @@ def replay_command(args: argparse.Namespace) -> int:
         topics=args.topic,
         max_loops=args.max_loops,
         reliable=not args.best_effort,
+        wait_for_subscribers_s=args.wait,
     )
     print(json.dumps(stats))
     return 0
