@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import rclpy
+from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
@@ -16,20 +17,27 @@ from .srv import AskMemory
 
 
 def ask(question: str, node_name: str = "/deltas_memory", max_new_tokens: int = 0,
-        timeout_s: float = 120.0) -> AskMemory.Response:
-    """Call `<node_name>/ask_memory` once; raises TimeoutError if there is no answer in time."""
+        timeout_s: float = 120.0, wait_idle: bool = False) -> AskMemory.Response:
+    """Call `<node_name>/ask_memory` once; raises TimeoutError if there is no answer in time.
+
+    wait_idle: first wait until the node's diagnostics show no chunk waiting for the model, so
+    that the answer covers everything the camera has sent so far (questions otherwise go before
+    waiting chunks).
+    """
     context = rclpy.Context()
     rclpy.init(context=context)
     node = Node("deltas_ask", context=context)
     try:
-        client = node.create_client(AskMemory, f"{node_name.rstrip('/')}/ask_memory")
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(node)
         deadline = time.monotonic() + timeout_s
+        if wait_idle:
+            _wait_until_idle(node, executor, node_name.strip("/").split("/")[-1], deadline)
+        client = node.create_client(AskMemory, f"{node_name.rstrip('/')}/ask_memory")
         if not client.wait_for_service(timeout_sec=min(timeout_s, 30.0)):
             raise TimeoutError(f"no {client.srv_name} service: is the memory node running?")
         future = client.call_async(
             AskMemory.Request(question=question, max_new_tokens=max_new_tokens))
-        executor = SingleThreadedExecutor(context=context)
-        executor.add_node(node)
         executor.spin_until_future_complete(future, timeout_sec=deadline - time.monotonic())
         if not future.done():
             raise TimeoutError(f"no answer within {timeout_s:.0f} s")
@@ -37,6 +45,27 @@ def ask(question: str, node_name: str = "/deltas_memory", max_new_tokens: int = 
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)
+
+
+def _wait_until_idle(node: Node, executor: SingleThreadedExecutor, name: str,
+                     deadline: float) -> None:
+    """Until a diagnostics status of node `name` reports queue_depth 0 (twice in a row)."""
+    idle_reports = []
+
+    def on_diagnostics(msg: DiagnosticArray) -> None:
+        for status in msg.status:
+            values = {kv.key: kv.value for kv in status.values}
+            if status.name.startswith(f"{name}:") and "queue_depth" in values:
+                idle_reports.append(values["queue_depth"] == "0")
+
+    subscription = node.create_subscription(DiagnosticArray, "/diagnostics", on_diagnostics, 10)
+    try:
+        while idle_reports[-2:] != [True, True]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not become idle in time")
+            executor.spin_once(timeout_sec=0.2)
+    finally:
+        node.destroy_subscription(subscription)
 
 
 def format_response(response: AskMemory.Response) -> str:

@@ -12,6 +12,7 @@
                    [--ask "question" ...] [--max-new-tokens 64] [--quiet]
     deltas-ros plot RESULTS [RESULTS ...] [--out plot.png]
     deltas-ros ask "question" [--node /deltas_memory] [--max-new-tokens N] [--timeout 120]
+                   [--wait-idle]
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def ask_command(args: argparse.Namespace) -> int:
     from .ask_client import ask, format_response
 
     try:
-        response = ask(args.question, args.node, args.max_new_tokens, args.timeout)
+        response = ask(args.question, args.node, args.max_new_tokens, args.timeout,
+                       args.wait_idle)
     except TimeoutError as error:
         raise RuntimeError(str(error)) from error
     print(format_response(response))
@@ -195,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--node", default="/deltas_memory", help="the memory node's name")
     ask.add_argument("--max-new-tokens", type=int, default=0, help="0 = the node's default")
     ask.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
+    ask.add_argument("--wait-idle", action="store_true",
+                     help="first wait until no chunk is waiting for the model")
     ask.set_defaults(run=ask_command)
     return parser
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.utils import logging as transformers_logging
 
 from .chunks import DEFAULT_PIXEL_BUDGET
 
@@ -168,6 +170,10 @@ def load_model(
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
     fla = select_gated_delta_kernels(torch_device)
+    # The kernel hub's "falling back to the reference implementation" notices and the weight
+    # loading progress bar are noise in a node's log; real problems still raise.
+    logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
+    transformers_logging.disable_progress_bar()
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=torch_dtype, local_files_only=True
     )

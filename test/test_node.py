@@ -349,6 +349,19 @@ def test_stamps_jumping_back_reset_the_memory(raw_node):
     assert int(values["time_jumps_back"]) >= 1
 
 
+def test_ask_command_line_waits_for_the_backlog_and_prints_the_answer(raw_node, ros_domain):
+    tester, _ = raw_node
+    tester.reset()
+    tester.stream(2.0)
+    result = subprocess.run(
+        [str(VENV / "bin" / "python"), "-m", "deltas_ros.cli", "ask", "What did you see?",
+         "--wait-idle", "--max-new-tokens", "3", "--timeout", "60"],
+        env=ros_domain, capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert "answer:" in result.stdout and "evidence (stream time):" in result.stdout
+    assert "covering 0.2-1.2 s" in result.stdout  # both chunks were in memory
+
+
 def test_parameters_are_validated_at_runtime(raw_node):
     tester, _ = raw_node
 
