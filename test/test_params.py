@@ -76,3 +76,9 @@ def test_bad_values_are_refused_with_a_reason(change, reason):
 
 def test_cuda_index_is_a_valid_device():
     assert params.validate(GOOD | {"device": "cuda:1"}) is None
+
+
+def test_readme_documents_every_parameter():
+    readme = (REPO / "README.md").read_text()
+    missing = [p.name for p in params.PARAMS if f"`{p.name}`" not in readme]
+    assert not missing, f"README.md does not describe: {missing}"
