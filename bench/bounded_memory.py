@@ -1,0 +1,184 @@
+"""Bounded memory: one simulated hour of video through the engine, with the budget holding.
+
+Why: a robot's memory must not grow with the length of the stream. The KV cache is bounded by the
+budget M by construction, the Gated DeltaNet states have a fixed size, and the host process should
+not creep either (no per-chunk leftovers: slot tables, chunk stamps, allocator growth). The one
+counter that does grow is the position id: kept tokens keep their positions, new ones continue
+from the running counter. When it nears max_position_embeddings (less MemoryConfig.compact_margin)
+the engine compacts the retained slots' positions and the stream goes on; how often that happens
+depends on the rate at which positions are used.
+
+How: --chunks chunks (default 3,600: one hour at one chunk per second) of a synthetic stream
+(synth_stream, 2 fps) at a small pixel budget through the model with a small budget. Every
+--sample-every chunks: KV tokens, KV + state bytes (MemoryStats) and the process RSS (VmRSS of
+/proc/self/status; on CUDA also torch.cuda.memory_allocated). RSS at start = right after the first
+eviction (the cache is full); growth = end / start - 1 (target < 5 %). Positions: the counter at
+the end vs max_position_embeddings, compactions during the run, the rate per stream second and
+the hours until the first compaction at that rate, and the same for a chunk at the default 320x320
+pixel budget (positions per chunk depend on the timestamp text, which this random model's
+byte-level tokenizer spells with more tokens than Qwen's BPE would, so real compactions come
+later).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltas_ros.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
+from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.synth import synth_stream
+
+from .common import (
+    add_model_args,
+    add_out_arg,
+    bench_model,
+    describe_model,
+    finish,
+    md_table,
+    start_results,
+    verdict,
+)
+
+MAX_RSS_GROWTH = 0.05
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (VmRSS), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def sample(memory: StreamingMemory, chunk: int) -> dict[str, Any]:
+    gc.collect()
+    stats = memory.stats()
+    row = {"chunk": chunk, "kv_tokens": stats.kv_tokens,
+           "memory_bytes": stats.kv_bytes + stats.state_bytes, "rss_bytes": rss_bytes()}
+    if memory.device.type == "cuda":
+        row["cuda_allocated_bytes"] = torch.cuda.memory_allocated(memory.device)
+    return row
+
+
+def default_budget_positions(memory: StreamingMemory, stream_s: float) -> int:
+    """Positions one chunk advances at the default pixel budget, at stream time stream_s."""
+    builder = ChunkBuilder.for_model(memory.model, memory.tokenizer, DEFAULT_PIXEL_BUDGET)
+    frame = np.zeros((480, 640, 3), np.uint8)
+    return builder.build([frame, frame], [stream_s, stream_s + 0.5], 0).next_position
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser)
+    parser.add_argument("--chunks", type=int, default=3600, help="chunks (1 s of video each)")
+    parser.add_argument("--budget", type=int, default=256, help="KV budget M (tokens)")
+    parser.add_argument("--window", type=int, default=64, help="recent window (tokens)")
+    parser.add_argument("--pixel-budget", type=int, default=64 * 64)
+    parser.add_argument("--width", type=int, default=160)
+    parser.add_argument("--height", type=int, default=120)
+    parser.add_argument("--sample-every", type=int, default=60, help="chunks between samples")
+    add_out_arg(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+
+    results = start_results("bounded_memory", argv)
+    loaded = bench_model(args)
+    memory = StreamingMemory(loaded, MemoryConfig(
+        budget_tokens=args.budget, window_tokens=args.window, pixel_budget=args.pixel_budget))
+    frames, _ = synth_stream(float(args.chunks), 2.0, args.width, args.height, args.seed)
+    first_position = memory.next_position
+    samples, start, max_kv, pending = [], None, 0, []
+    for time_s, frame in frames:
+        pending.append((time_s, frame))
+        if len(pending) < 2:
+            continue
+        result = memory.add_chunk([f for _, f in pending], [t for t, _ in pending])
+        pending = []
+        max_kv = max(max_kv, result.kv_tokens)
+        if start is None and result.evicted_tokens:
+            start = sample(memory, result.index)
+        if (result.index + 1) % args.sample_every == 0 or result.index + 1 == args.chunks:
+            samples.append(sample(memory, result.index))
+    if start is None:
+        raise SystemExit("the cache never filled: lower --budget or raise --chunks")
+    end = samples[-1]
+
+    stats = memory.stats()
+    rate = (stats.next_position - first_position) / args.chunks  # positions per stream second
+    default_rate = default_budget_positions(memory, float(args.chunks))
+    compact_at = stats.max_positions - memory.config.compact_margin
+    results |= {
+        "model": describe_model(loaded), "chunks": args.chunks, "budget": args.budget,
+        "window": args.window, "pixel_budget": args.pixel_budget,
+        "frame_size": [args.width, args.height],
+        "max_kv_tokens": max_kv, "start": start, "end": end, "samples": samples,
+        "rss_growth": end["rss_bytes"] / start["rss_bytes"] - 1,
+        "memory_bytes_max": max(s["memory_bytes"] for s in samples),
+        "next_position": stats.next_position, "max_positions": stats.max_positions,
+        "compactions": stats.compactions, "compact_at_position": compact_at,
+        "positions_per_s": rate, "hours_to_compaction": compact_at / rate / 3600,
+        "default_pixel_budget_positions_per_s": default_rate,
+        "default_pixel_budget_hours_to_compaction": compact_at / default_rate / 3600,
+    }
+    if "cuda_allocated_bytes" in end:
+        results["cuda_growth"] = end["cuda_allocated_bytes"] / start["cuda_allocated_bytes"] - 1
+    return finish(args.out, results, title(results), report(results))
+
+
+def title(results: dict[str, Any]) -> str:
+    model = results["model"]
+    return (f"Bounded memory: {results['chunks']} chunks ({results['chunks'] / 3600:.2f} h of "
+            f"stream) through Qwen3.5 {model['source']} ({model['parameters'] / 1e6:.1f} M "
+            f"parameters), {model['device']} {model['dtype']}, M = {results['budget']}")
+
+
+def report(r: dict[str, Any]) -> str:
+    mib = 2**20
+    rows = [
+        ["max KV tokens", r["max_kv_tokens"], f"<= {r['budget']}",
+         verdict(r["max_kv_tokens"] <= r["budget"])],
+        ["KV + state bytes, start -> end (max)",
+         f"{r['start']['memory_bytes'] / mib:.2f} -> {r['end']['memory_bytes'] / mib:.2f} MiB "
+         f"({r['memory_bytes_max'] / mib:.2f})", "flat",
+         verdict(r["memory_bytes_max"] <= r["start"]["memory_bytes"])],
+        ["process RSS, start (cache full, chunk "
+         f"{r['start']['chunk']}) -> end",
+         f"{r['start']['rss_bytes'] / mib:.1f} -> {r['end']['rss_bytes'] / mib:.1f} MiB "
+         f"({100 * r['rss_growth']:+.2f} %)", "< +5 %",
+         verdict(r["rss_growth"] < MAX_RSS_GROWTH)],
+    ]
+    if "cuda_growth" in r:
+        rows.append(["CUDA memory allocated, start -> end",
+                     f"{r['start']['cuda_allocated_bytes'] / mib:.1f} -> "
+                     f"{r['end']['cuda_allocated_bytes'] / mib:.1f} MiB "
+                     f"({100 * r['cuda_growth']:+.2f} %)", "< +5 %",
+                     verdict(r["cuda_growth"] < MAX_RSS_GROWTH)])
+    rows += [
+        ["position counter at the end; compactions",
+         f"{r['next_position']:,} of {r['max_positions']:,}; {r['compactions']}",
+         "< max", verdict(r["next_position"] < r["max_positions"])],
+        ["positions per stream second (this pixel budget)", f"{r['positions_per_s']:.1f}",
+         "", f"first compaction after {r['hours_to_compaction']:.2f} h"],
+        ["positions per stream second (320x320 budget, same stream time)",
+         r["default_pixel_budget_positions_per_s"], "",
+         f"first compaction after {r['default_pixel_budget_hours_to_compaction']:.2f} h"],
+    ]
+    body = md_table(["quantity", "measured", "target", "result"], rows)
+    samples = r["samples"]
+    picks = {s["chunk"]: s for s in samples[:: max(1, len(samples) // 6)] + samples[-1:]}
+    trace = [[s["chunk"] + 1, s["kv_tokens"], f"{s['memory_bytes'] / mib:.3f}",
+              f"{s['rss_bytes'] / mib:.1f}"] for s in picks.values()]
+    body += "\nSampled over the stream:\n\n"
+    body += md_table(["chunks", "KV tokens", "KV + state MiB", "RSS MiB"], trace)
+    return body
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""What every benchmark shares: the machine label, the model under test, timing, result files.
+
+Results are only comparable when they say where and how they were taken, so every result file
+carries the machine (CPU model, cores, GPU, load average at start and end), the date and the exact
+command that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers import Qwen3_5ForConditionalGeneration
+
+from deltas_ros.model import (
+    LoadedModel,
+    config_from_file,
+    default_dtype,
+    init_decay_like_trained,
+    load_model,
+    make_tokenizer,
+    select_gated_delta_kernels,
+    tiny_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "bench" / "results"
+NINE_B_CONFIG = Path(__file__).with_name("qwen3_5_9b_config.json")
+
+
+# ------------------------------------------------------------------------------------ the machine
+def machine() -> dict[str, Any]:
+    """Where the numbers come from (the load average matters on a shared machine)."""
+    cpu = next((line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def machine_label(info: dict[str, Any]) -> str:
+    threads = info["torch_threads"]
+    return (f"{info['cpu']}, {info['cores']} cores ({threads} torch thread"
+            f"{'s' if threads != 1 else ''}), {info['gpu'] or 'no GPU'}; "
+            f"load average {info['load_avg_1m_start']} at start, "
+            f"{info.get('load_avg_1m_end', '?')} at end; {info['date']}")
+
+
+def command(module: str, argv: list[str]) -> str:
+    """The command line that reproduces a run, as typed from the repository root (with
+    OMP_NUM_THREADS when set: it decides how many threads torch uses)."""
+    python = Path(sys.executable)
+    if python.is_relative_to(REPO):
+        python = python.relative_to(REPO)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    env = [f"OMP_NUM_THREADS={threads}"] if threads else []
+    return " ".join([*env, str(python), "-m", module, *map(shlex.quote, argv)])
+
+
+# ------------------------------------------------------------------------------------ the model
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: the tiny test model)")
+    parser.add_argument("--config", help="config.json-style file: a random model of that size")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def bench_model(args: argparse.Namespace) -> LoadedModel:
+    """The model under test: --model DIR through load_model, else a random-init model.
+
+    The random model (--config FILE, or the tiny test config) is built in memory on the device
+    with exactly the steps of `make_model` (seed, fp32 construction, cast, decay init), so a 9B
+    model needs neither 19 GB of disk nor a reload; test_bench.py checks that the tiny one equals
+    `load_model(make_model(...))` weight for weight.
+    """
+    if args.model:
+        return load_model(args.model, args.device, args.dtype)
+    device = torch.device(args.device)
+    dtype = default_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
+    config = config_from_file(args.config) if args.config else tiny_config()
+    fla = select_gated_delta_kernels(device)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = Qwen3_5ForConditionalGeneration(config).to(dtype)
+    init_decay_like_trained(model, args.seed)
+    model.eval().requires_grad_(False)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    tokenizer = make_tokenizer(config.vision_start_token_id)
+    return LoadedModel(model, tokenizer, Path(args.config or "tiny"), device, dtype, fla)
+
+
+def describe_model(loaded: LoadedModel) -> dict[str, Any]:
+    text = loaded.model.config.text_config
+    return {
+        "source": str(loaded.path),
+        "parameters": sum(p.numel() for p in loaded.model.parameters()),
+        "layers": text.num_hidden_layers,
+        "linear_layers": text.layer_types.count("linear_attention"),
+        "hidden_size": text.hidden_size,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "gated_delta_kernels": "fla" if loaded.fla_kernels else "torch",
+    }
+
+
+# ------------------------------------------------------------------------------------ timing
+def now(device: torch.device) -> float:
+    """perf_counter after the device's queued work is done (the engine's own timing rule)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def median(values: list[float]) -> float:
+    return float(np.median(values)) if values else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+# ------------------------------------------------------------------------------------ ROS
+def isolate_ros() -> None:
+    """A DDS domain of our own unless ROS_DOMAIN_ID is set (201-232: clear of the tests' ids),
+    discovery on this host only. Child processes inherit it."""
+    os.environ.setdefault("ROS_DOMAIN_ID", str(random.Random(os.getpid()).randint(201, 232)))
+    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+
+
+def ros_setup() -> dict[str, str]:
+    """What decides how frames travel: the middleware and Fast DDS's transports."""
+    from rclpy.utilities import get_rmw_implementation_identifier
+
+    return {"rmw": get_rmw_implementation_identifier(),
+            "fastdds_builtin_transports": os.environ.get("FASTDDS_BUILTIN_TRANSPORTS",
+                                                         "default"),
+            "domain_id": os.environ.get("ROS_DOMAIN_ID", "0")}
+
+
+def start_camera(*args: str) -> subprocess.Popen:
+    """bench.camera_pub in its own process (see its --help)."""
+    return subprocess.Popen([sys.executable, "-m", "bench.camera_pub", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def camera_summary(process: subprocess.Popen, timeout: float) -> dict[str, Any]:
+    """Wait for the camera process; its one-line JSON summary."""
+    out, err = process.communicate(timeout=timeout)
+    if process.returncode:
+        raise RuntimeError(f"camera process failed ({process.returncode}): {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------ results
+def add_out_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+
+
+def start_results(name: str, argv: list[str]) -> dict[str, Any]:
+    """The results of bench.<name> run with argv: filled in by the script, written by finish."""
+    return {"benchmark": name, "command": command(f"bench.{name}", argv), "machine": machine(),
+            "_started": time.perf_counter()}
+
+
+def finish(out_dir: Path, results: dict[str, Any], title: str, body: str) -> dict[str, Any]:
+    """Write <name>.json and <name>.md (machine, date, command, tables); print the markdown."""
+    results["wall_s"] = round(time.perf_counter() - results.pop("_started"), 1)
+    results["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    name = results["benchmark"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    markdown = (f"### {title}\n\nMachine: {machine_label(results['machine'])}\n\n"
+                f"Command (ran {results['wall_s']:.0f} s): `{results['command']}`\n\n{body}")
+    (out_dir / f"{name}.md").write_text(markdown)
+    print(markdown)
+    return results
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def percent(fraction: float) -> str:
+    return f"{100 * fraction:.2f} %"

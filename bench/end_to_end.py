@@ -1,0 +1,230 @@
+"""End to end: the real node, fed a 30 fps camera, from a chunk's last frame to its DriftScore.
+
+Why: the engine's own timings leave out everything around it: DDS transport of 30 frames a
+second, the camera callback and sampling, the worker queue, publishing the result. The latency a
+planner sees, and whether the node keeps up with the stream, are measured here on the real node.
+
+How: the installed memory_node executable is started exactly as launch/deltas.launch.py starts it
+(config/deltas.yaml plus overrides: the model, the topic, reliable QoS, a small budget so that
+evictions happen, device cpu). A camera process (bench.camera_pub) publishes --seconds of frames
+and logs each frame's publish wall time; this process listens to ~/drift. Latency of a chunk =
+arrival wall time of its DriftScore - publish wall time of the frame whose stamp the DriftScore
+carries (the chunk's last sampled frame). Real-time factor = the node's processing time
+(forward + signal + evict of each DriftScore) summed / stream time those chunks cover (1 s each);
+below 1 the node keeps up. The node process's CPU (/proc/PID/stat) over the stream is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import rclpy
+from deltas_ros.msg import DriftScore
+from rclpy.executors import SingleThreadedExecutor
+
+from deltas_ros.model import make_model
+from deltas_ros.synth import NS_PER_S
+
+from .common import (
+    REPO,
+    add_out_arg,
+    camera_summary,
+    finish,
+    isolate_ros,
+    md_table,
+    median,
+    percentile,
+    ros_setup,
+    start_camera,
+    start_results,
+)
+
+TOPIC = "/bench/camera/image_raw"
+DRIFT_TOPIC = "/deltas_memory/drift"
+CHUNK_S = 1.0  # two frames at 2 fps
+
+
+def node_command(model_dir: Path, args: argparse.Namespace) -> list[str]:
+    """The command launch/deltas.launch.py runs, with this benchmark's overrides."""
+    overrides = {"model_path": model_dir, "image_topic": TOPIC, "use_sim_time": "false",
+                 "reliable_qos": "true", "device": "cpu", "budget_tokens": args.budget,
+                 "window_tokens": args.window, "pixel_budget": args.pixel_budget}
+    command = [str(Path(sys.prefix) / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
+               "-r", "__node:=deltas_memory",
+               "--params-file", str(REPO / "config" / "deltas.yaml")]
+    for key, value in overrides.items():
+        command += ["-p", f"{key}:={value}"]
+    return command
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Listener:
+    """DriftScore messages with their arrival wall times."""
+
+    def __init__(self) -> None:
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node("bench_end_to_end", context=self.context)
+        self.lock = threading.Lock()
+        self.arrivals: list[tuple[DriftScore, float]] = []
+        self.node.create_subscription(DriftScore, DRIFT_TOPIC, self.on_drift, 100)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def on_drift(self, msg: DriftScore) -> None:
+        arrival = time.time()
+        with self.lock:
+            self.arrivals.append((msg, arrival))
+
+    def wait(self, predicate, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=5)
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+        self.thread.join(5)
+
+
+def stop(process: subprocess.Popen) -> str:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    try:
+        _, err = process.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+    return err
+
+
+def run(model_dir: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    node = subprocess.Popen(node_command(model_dir, args), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    listener = Listener()
+    err = ""
+    try:
+        listener.wait(lambda: node.poll() is not None
+                      or listener.node.count_publishers(DRIFT_TOPIC) > 0, 120, "the node")
+        if node.poll() is not None:
+            raise RuntimeError(f"the node exited: {node.stderr.read()[-3000:]}")
+        cpu0, wall0 = cpu_seconds(node.pid), time.monotonic()
+        camera = start_camera("--topic", TOPIC, "--encoding", "rgb8", "--fps", str(args.fps),
+                              "--seconds", str(args.seconds), "--width", str(args.width),
+                              "--height", str(args.height), "--log", str(log))
+        published = camera_summary(camera, timeout=args.seconds + 120)
+        expected = int(args.seconds / CHUNK_S)
+        try:
+            listener.wait(lambda: len(listener.arrivals) >= expected, 60, "the last chunks")
+        except RuntimeError:
+            pass  # dropped chunks are reported, not fatal
+        node_cpu = (cpu_seconds(node.pid) - cpu0) / (time.monotonic() - wall0)
+    finally:
+        listener.close()
+        err = stop(node)
+    if not listener.arrivals:
+        raise RuntimeError(f"no DriftScore arrived; node stderr: {err[-3000:]}")
+    return summarize(listener.arrivals, published, log, expected, node_cpu)
+
+
+def summarize(arrivals: list[tuple[DriftScore, float]], published: dict[str, Any], log: Path,
+              expected: int, node_cpu: float) -> dict[str, Any]:
+    sent = {round(ns / 1e6): wall for ns, wall in json.loads(log.read_text())}
+    latency, processing = [], []
+    for msg, arrival in arrivals:
+        ns = msg.header.stamp.sec * NS_PER_S + msg.header.stamp.nanosec
+        latency.append((arrival - sent[round(ns / 1e6)]) * 1e3)
+        processing.append(msg.forward_ms + msg.signal_ms + msg.evict_ms)
+    indices = [msg.chunk_index for msg, _ in arrivals]
+    last = arrivals[-1][0]
+    return {
+        "frames_published": published["published"], "chunks_expected": expected,
+        "chunks_received": len(arrivals),
+        "chunks_missing": expected - len(set(indices)),
+        "latency_ms": {"median": median(latency), "p95": percentile(latency, 95),
+                       "max": max(latency)},
+        "processing_ms": {"median": median(processing), "p95": percentile(processing, 95)},
+        "real_time_factor": sum(processing) / 1e3 / (len(arrivals) * CHUNK_S),
+        "latency_per_chunk_interval": median(latency) / 1e3 / CHUNK_S,
+        "node_cpu_cores": node_cpu,
+        "kv_tokens_end": last.kv_tokens,
+        "evicting_chunks": sum(msg.evicted_tokens > 0 for msg, _ in arrivals),
+        "chunk_tokens": median([msg.chunk_tokens for msg, _ in arrivals]),
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    r = results["run"]
+    lat, proc = r["latency_ms"], r["processing_ms"]
+    rows = [
+        ["chunks expected / received / missing",
+         f"{r['chunks_expected']} / {r['chunks_received']} / {r['chunks_missing']}"],
+        ["latency, last frame published -> DriftScore arrived (median / p95 / max)",
+         f"{lat['median']:.1f} / {lat['p95']:.1f} / {lat['max']:.1f} ms"],
+        ["node processing per chunk, forward + signal + evict (median / p95)",
+         f"{proc['median']:.1f} / {proc['p95']:.1f} ms"],
+        ["real-time factor: processing / stream time", f"{r['real_time_factor']:.3f}"],
+        ["median latency / chunk interval (1 s)", f"{r['latency_per_chunk_interval']:.3f}"],
+        ["node process CPU over the stream", f"{r['node_cpu_cores']:.2f} cores"],
+        ["chunk tokens (median); chunks that evicted", f"{r['chunk_tokens']:.0f}; "
+         f"{r['evicting_chunks']}"],
+        ["KV tokens at the end / budget", f"{r['kv_tokens_end']} / {results['budget']}"],
+    ]
+    ros = results["ros"]
+    return md_table(["quantity", "value"], rows) + (
+        f"\nThe tiny random model on this machine's CPU, {results['size'][0]}x"
+        f"{results['size'][1]} rgb8 at {results['fps']:g} fps for {results['seconds']:g} s, "
+        f"reliable QoS, {ros['rmw']} (transports: {ros['fastdds_builtin_transports']}). Camera, "
+        "node and this listener share the machine's cores.\n")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="model directory (default: a tiny one)")
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--fps", type=float, default=30.0)
+    parser.add_argument("--width", type=int, default=1280)
+    parser.add_argument("--height", type=int, default=720)
+    parser.add_argument("--budget", type=int, default=1536, help="KV budget M (tokens)")
+    parser.add_argument("--window", type=int, default=512, help="recent window (tokens)")
+    parser.add_argument("--pixel-budget", type=int, default=320 * 320)
+    add_out_arg(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+
+    isolate_ros()
+    results = start_results("end_to_end", argv)
+    results |= {"ros": ros_setup(), "fps": args.fps, "seconds": args.seconds,
+                "size": [args.width, args.height], "budget": args.budget,
+                "window": args.window, "pixel_budget": args.pixel_budget}
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = args.model or make_model(Path(scratch) / "tiny")
+        results["model"] = str(args.model or "tiny (make_model, random)")
+        results["run"] = run(model_dir, args, Path(scratch) / "published.json")
+    title = (f"End to end: the memory node ({results['model']}, CPU) fed {args.width}x"
+             f"{args.height} at {args.fps:g} fps over DDS")
+    return finish(args.out, results, title, report(results))
+
+
+if __name__ == "__main__":
+    main()

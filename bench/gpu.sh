@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One-shot GPU run of benchmarks 1 and 2 (engine overhead, bounded memory) at Qwen3.5-9B
+# dimensions, bf16, on CUDA. Prepared for a CUDA machine; results, nvidia-smi and the package
+# versions go to $OUT (default bench/results/gpu). Run from anywhere:
+#
+#     OUT=/some/dir bench/gpu.sh
+#
+# Python: this checkout's .venv, else python3, if either imports the requirements with CUDA;
+# otherwise a fresh venv ($VENV, default /tmp/deltas-bench-venv) gets the pinned packages the two
+# benchmarks need from requirements.txt (no ROS packages: neither benchmark uses rclpy).
+#
+# The model: a random-init model of bench/qwen3_5_9b_config.json ($CONFIG), built in each
+# benchmark's process directly on the GPU in bf16 by the same steps as
+#     deltas-ros make-model --config $CONFIG --dtype bfloat16 DIR
+# (seed, fp32 construction, cast, decay init), which saves writing and re-reading 19 GB.
+# Estimated (not measured) run time on an H200: about 5 minutes (two model builds, ~2.5 min of
+# engine streaming, ~1 min of bounded streaming). Sizes: ENGINE_CHUNKS (110: the cache fills at
+# ~79 chunks of 104 tokens, so ~30 eviction events per policy), BOUNDED_CHUNKS (300).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-bench/results/gpu}
+config=${CONFIG:-bench/qwen3_5_9b_config.json}
+mkdir -p "$out"
+start=$SECONDS
+
+need='import torch, torchvision, transformers, cv2, rosbags, transformers.models.qwen3_5
+assert torch.cuda.is_available(), "no CUDA device"'
+if [ -x .venv/bin/python ] && .venv/bin/python -c "$need" 2>/dev/null; then
+  py=.venv/bin/python
+elif command -v python3 > /dev/null && python3 -c "$need" 2>/dev/null; then
+  py=python3
+else
+  venv=${VENV:-/tmp/deltas-bench-venv}
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  grep -E '^(torch|torchvision|transformers|safetensors|flash-linear-attention|numpy|opencv-python-headless|rosbags|mcap)==' \
+    requirements.txt > "$out/requirements-gpu.txt"
+  "$venv/bin/python" -m pip install --quiet -r "$out/requirements-gpu.txt"
+  py=$venv/bin/python
+  "$py" -c "$need"
+fi
+echo "python: $py ($((SECONDS - start)) s)"
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+"$py" -m pip freeze > "$out/pip-freeze.txt" 2>/dev/null || true
+
+common=(--config "$config" --device cuda --dtype bfloat16 --budget 8192 --window 1024
+        --out "$out")
+"$py" -m bench.engine_overhead "${common[@]}" --chunks "${ENGINE_CHUNKS:-110}" --warmup 3 \
+  --micro-budget 8192 --micro-reps 20
+echo "engine_overhead done ($((SECONDS - start)) s)"
+"$py" -m bench.bounded_memory "${common[@]}" --chunks "${BOUNDED_CHUNKS:-300}" \
+  --pixel-budget 102400 --width 640 --height 480 --sample-every 20
+echo "bounded_memory done ($((SECONDS - start)) s); results in $out"

@@ -1,0 +1,243 @@
+"""Ingest cost: the node's camera path at 30 fps of 1280x720 frames, raw and JPEG, no model.
+
+Why: the camera callback runs for every frame, 30 times a second, in the process that also runs
+the model. Frames that are not sampled (28 of 30 at 2 fps) should cost no more than reading a
+stamp; a sampled frame costs a decode; a finished chunk is handed on. The whole ingest path should
+take a few percent of one core.
+
+How: a camera process (bench.camera_pub) publishes over DDS; this process subscribes with the
+node's camera QoS (reliable, depth FRAME_HISTORY) and its callback runs the node's per-frame path,
+FrameGate.push(message_stamp(msg), lambda: decode_message(msg)), plus, for finished chunks,
+ChunkBuilder.build (the CPU part of add_chunk; the model itself is left out). The executor is
+rclpy's SingleThreadedExecutor ("single"), or the node's own MultiThreadedExecutor(num_threads=8)
+("node"), each spun with spin() as the node does. Per frame, over the window from the first to the
+last callback:
+- callback CPU: time.thread_time() around that path, split into non-sampled frames, sampled
+  frames (decode) and chunk builds;
+- executor thread CPU (single executor only): time.thread_time() from callback to callback, which
+  adds rclpy's take and deserialization of the message into Python objects and the executor's own
+  work;
+- process CPU: time.process_time() from callback to callback, which adds the DDS threads that
+  receive and reassemble the message; as a share of one core: process CPU / wall time.
+An idle baseline (subscribed, no camera, --idle seconds) and the deserialization of one message
+alone (rclpy.serialization, median of 20) are measured too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import rclpy
+from rclpy.executors import Executor, MultiThreadedExecutor, SingleThreadedExecutor
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.serialization import deserialize_message, serialize_message
+from sensor_msgs.msg import CompressedImage, Image
+
+from deltas_ros.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
+from deltas_ros.frames import FrameGate, FrameSampler, decode_message, message_stamp
+from deltas_ros.model import make_tokenizer, tiny_config
+from deltas_ros.node import FRAME_HISTORY
+
+from .camera_pub import frame_bank
+from .common import (
+    add_out_arg,
+    camera_summary,
+    finish,
+    isolate_ros,
+    md_table,
+    median,
+    percentile,
+    ros_setup,
+    start_camera,
+    start_results,
+    verdict,
+)
+
+TOPICS = {"rgb8": "/bench/camera/image_raw", "jpeg": "/bench/camera/image_raw/compressed"}
+EXECUTORS = {
+    "single": SingleThreadedExecutor,
+    "node": lambda context: MultiThreadedExecutor(num_threads=8, context=context),  # node.main
+}
+DEFAULT_INPUTS = ["rgb8/single", "jpeg/single", "rgb8/node"]
+TARGETS = {"non_sampled_ms": 0.1, "process_percent": 5.0}
+
+
+@dataclass
+class FrameRecord:
+    thread_s: float  # executor thread CPU clock at callback entry
+    process_s: float  # process CPU clock at callback entry
+    wall_s: float  # perf_counter at callback entry
+    sampled: bool
+    path_s: float  # CPU time of FrameGate.push (stamp, sampling, decode if sampled)
+    build_s: float  # CPU time of ChunkBuilder.build, 0 unless the frame finished a chunk
+
+
+class Ingest:
+    """The node's per-frame path in a subscriber, with CPU clocks around it."""
+
+    def __init__(self, node, encoding: str) -> None:
+        self.gate = FrameGate(FrameSampler())
+        config = tiny_config()  # for_model reads only the model's config
+        self.builder = ChunkBuilder.for_model(SimpleNamespace(config=config),
+                                              make_tokenizer(config.vision_start_token_id),
+                                              DEFAULT_PIXEL_BUDGET)
+        self.position = 0
+        self.records: list[FrameRecord] = []
+        qos = QoSProfile(depth=FRAME_HISTORY, reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.VOLATILE)
+        msg_type = Image if encoding == "rgb8" else CompressedImage
+        self.subscription = node.create_subscription(msg_type, TOPICS[encoding], self.on_frame,
+                                                     qos)
+
+    def on_frame(self, msg: Image | CompressedImage) -> None:
+        thread0, process0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
+        sampled_before = self.gate.sampler.sampled
+        outcome = self.gate.push(message_stamp(msg), lambda: decode_message(msg))
+        thread1 = time.thread_time()
+        if outcome.chunk is not None:
+            chunk = self.builder.build(outcome.chunk.frames, outcome.chunk.times, self.position)
+            self.position = chunk.next_position
+        self.records.append(FrameRecord(
+            thread0, process0, wall0, self.gate.sampler.sampled > sampled_before,
+            thread1 - thread0, time.thread_time() - thread1 if outcome.chunk else 0.0))
+
+
+def deserialize_ms(encoding: str, width: int, height: int) -> float:
+    message = frame_bank(encoding, width, height, 1.0, 0)[0]
+    raw, msg_type = serialize_message(message), type(message)
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        deserialize_message(raw, msg_type)
+        times.append((time.perf_counter() - start) * 1e3)
+    return median(times)
+
+
+def measure(encoding: str, executor_kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node("bench_ingest", context=context)
+    ingest = Ingest(node, encoding)
+    executor: Executor = EXECUTORS[executor_kind](context=context)
+    executor.add_node(node)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+    try:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        time.sleep(args.idle)
+        idle_percent = 100 * (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+        camera = start_camera("--topic", TOPICS[encoding], "--encoding", encoding,
+                              "--fps", str(args.fps), "--seconds", str(args.seconds),
+                              "--width", str(args.width), "--height", str(args.height))
+        published = camera_summary(camera, timeout=args.seconds + 120)
+        time.sleep(1.0)  # the last frames in flight
+    finally:
+        executor.shutdown(timeout_sec=5)
+        spinner.join(5)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+    return summarize(ingest.records, published, idle_percent,
+                     deserialize_ms(encoding, args.width, args.height), executor_kind == "single")
+
+
+def summarize(records: list[FrameRecord], published: dict[str, Any], idle_percent: float,
+              deserialize: float, one_thread: bool) -> dict[str, Any]:
+    if len(records) < 2:
+        raise RuntimeError(f"only {len(records)} frames arrived of {published['published']}")
+    first, last = records[0], records[-1]
+    intervals = len(records) - 1
+    wall = last.wall_s - first.wall_s
+    skipped = [r.path_s * 1e3 for r in records if not r.sampled]
+    process_ms = (last.process_s - first.process_s) * 1e3
+    return {
+        "published": published["published"], "received": len(records),
+        "message_bytes": published["message_bytes"],
+        "sampled": sum(r.sampled for r in records),
+        "chunks": sum(r.build_s > 0 for r in records),
+        "non_sampled_ms": {"median": median(skipped), "p99": percentile(skipped, 99),
+                           "max": max(skipped, default=float("nan"))},
+        "sampled_ms": median([r.path_s * 1e3 for r in records if r.sampled]),
+        "build_ms": median([r.build_s * 1e3 for r in records if r.build_s > 0]),
+        "callback_ms_per_frame": sum((r.path_s + r.build_s) * 1e3 for r in records[:-1])
+        / intervals,
+        "executor_thread_ms_per_frame": (last.thread_s - first.thread_s) * 1e3 / intervals
+        if one_thread else None,
+        "process_ms_per_frame": process_ms / intervals,
+        "process_percent": 100 * process_ms / 1e3 / wall,
+        "idle_percent": idle_percent,
+        "deserialize_ms": deserialize,
+        "camera_process_percent": 100 * published["cpu_s"] / published["wall_s"],
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    rows = []
+    for name, r in results["inputs"].items():
+        ns = r["non_sampled_ms"]
+        thread = r["executor_thread_ms_per_frame"]
+        rows.append([
+            name, f"{r['received']}/{r['published']}", f"{r['message_bytes'] / 1e6:.2f} MB",
+            f"{ns['median'] * 1e3:.1f} / {ns['p99'] * 1e3:.1f} / {ns['max'] * 1e3:.0f}",
+            f"{r['sampled_ms']:.2f}", f"{r['build_ms']:.2f}", f"{r['callback_ms_per_frame']:.3f}",
+            f"{r['deserialize_ms']:.3f}", "n/a" if thread is None else f"{thread:.3f}",
+            f"{r['process_ms_per_frame']:.3f}", f"{r['process_percent']:.2f} %",
+            f"{r['idle_percent']:.2f} %", f"{r['camera_process_percent']:.1f} %"])
+    body = md_table([
+        "input / executor", "frames recv/pub", "message", "non-sampled µs (median / p99 / max)",
+        "sampled ms (decode)", "chunk build ms", "callback CPU ms/frame",
+        "deserialize ms (alone)", "executor thread CPU ms/frame", "process CPU ms/frame",
+        "process CPU, % of one core", "idle baseline", "camera process (not counted)"], rows)
+    checks = []
+    for name, r in results["inputs"].items():
+        p99 = r["non_sampled_ms"]["p99"]
+        checks.append([f"non-sampled frame, {name} (p99)", f"{p99 * 1e3:.1f} µs", "< 100 µs",
+                       verdict(p99 < TARGETS["non_sampled_ms"])])
+    for name, r in results["inputs"].items():
+        checks.append([f"whole ingest path, {name}: process CPU",
+                       f"{r['process_percent']:.2f} % of one core", "< 5 %",
+                       verdict(r["process_percent"] < TARGETS["process_percent"])
+                       if name.startswith("rgb8") else "(target is for raw)"])
+    body += "\n" + md_table(["check", "measured", "target", "result"], checks)
+    ros = results["ros"]
+    body += (f"\nMiddleware: {ros['rmw']}, Fast DDS transports: "
+             f"{ros['fastdds_builtin_transports']}; reliable QoS, {results['fps']:g} fps, "
+             f"{results['size'][0]}x{results['size'][1]}, {results['seconds']:g} s per input. "
+             "Executors: single = rclpy SingleThreadedExecutor, node = the node's "
+             "MultiThreadedExecutor(num_threads=8). rclpy takes and deserializes each message "
+             "before the callback runs: that cost is in the executor-thread and process columns, "
+             "not in the callback column.\n")
+    return body
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0, help="stream length per input")
+    parser.add_argument("--fps", type=float, default=30.0)
+    parser.add_argument("--width", type=int, default=1280)
+    parser.add_argument("--height", type=int, default=720)
+    parser.add_argument("--idle", type=float, default=3.0, help="idle baseline seconds")
+    parser.add_argument("--inputs", nargs="+", default=DEFAULT_INPUTS,
+                        choices=[f"{e}/{x}" for e in TOPICS for x in EXECUTORS],
+                        help="encoding/executor pairs, measured one after the other")
+    add_out_arg(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+
+    isolate_ros()
+    results = start_results("ingest", argv)
+    results |= {"ros": ros_setup(), "fps": args.fps, "seconds": args.seconds,
+                "size": [args.width, args.height]}
+    results["inputs"] = {name: measure(*name.split("/"), args) for name in args.inputs}
+    title = (f"Ingest: {args.width}x{args.height} at {args.fps:g} fps over DDS, the node's "
+             "per-frame path without the model")
+    return finish(args.out, results, title, report(results))
+
+
+if __name__ == "__main__":
+    main()

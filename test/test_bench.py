@@ -1,0 +1,121 @@
+"""Smoke tests of the benchmark scripts (bench/): tiny settings, sane results, no timing targets.
+
+They keep the scripts from rotting as the engine and the node change: each one runs end to end
+in a few seconds and the JSON it writes has the expected keys and plausible values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench import bounded_memory, end_to_end, engine_overhead, ingest, retention
+from bench.common import bench_model
+from deltas_ros.policy import POLICY_NAMES
+
+TINY_STREAM = ["--pixel-budget", "4096", "--width", "160", "--height", "120"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """One torch thread, here and in child processes: on a busy 2-core machine two OpenMP threads
+    per process spin against each other and the tiny model gets ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+def written(out: Path, name: str) -> dict[str, Any]:
+    assert (out / f"{name}.md").read_text().startswith("### ")
+    results = json.loads((out / f"{name}.json").read_text())
+    assert results["command"].split(" -m ")[1].startswith(f"bench.{name}")
+    assert results["machine"]["cores"] >= 1 and results["wall_s"] >= 0
+    return results
+
+
+def test_the_in_memory_random_model_equals_make_model_and_load_model(tiny_model):
+    args = argparse.Namespace(model=None, config=None, device="cpu", dtype="auto", seed=0)
+    built = bench_model(args)
+    expected = tiny_model.model.state_dict()
+    assert all(torch.equal(tensor, expected[name])
+               for name, tensor in built.model.state_dict().items())
+    text = "<|im_start|>user\n<0.2 seconds><|vision_start|>"
+    assert built.tokenizer.encode(text) == tiny_model.tokenizer.encode(text)
+    assert built.dtype == torch.float32 and built.fla_kernels is False
+
+
+def test_engine_overhead(tmp_path):
+    engine_overhead.main(["--chunks", "12", "--warmup", "1", "--budget", "120", "--window", "40",
+                          *TINY_STREAM, "--micro-budget", "2048", "--micro-reps", "1",
+                          "--out", str(tmp_path)])
+    results = written(tmp_path, "engine_overhead")
+    assert set(results["policies"]) == set(POLICY_NAMES)
+    for row in results["policies"].values():
+        assert row["forward_ms"] > 0 and row["eviction_events"] > 0
+        assert row["evict_ms_per_event"] > 0 and row["max_kv_tokens"] <= 120
+    deltas, strength = results["policies"]["deltas"], results["policies"]["write_strength"]
+    assert deltas["policy_signal_ms"] >= deltas["engine_drift_ms"] > 0
+    assert strength["policy_signal_ms"] > deltas["policy_signal_ms"]  # the token-level replay
+    micro = results["micro"]
+    assert micro["budget"] == 2048 and micro["state_mib"] == 48
+    assert micro["signal_ms"] > 0 and micro["evict_ms"] >= micro["select_ms"] > 0
+    assert {c["result"].split()[0] for c in results["checks"]} <= {"PASS", "FAIL", "n/a"}
+
+
+def test_bounded_memory(tmp_path):
+    bounded_memory.main(["--chunks", "30", "--budget", "120", "--window", "40",
+                         "--sample-every", "10", *TINY_STREAM, "--out", str(tmp_path)])
+    results = written(tmp_path, "bounded_memory")
+    assert 0 < results["max_kv_tokens"] <= 120
+    assert [s["chunk"] for s in results["samples"]] == [9, 19, 29]
+    assert results["start"]["rss_bytes"] > 0 and results["end"]["rss_bytes"] > 0
+    assert results["start"]["memory_bytes"] == results["end"]["memory_bytes"] > 0
+    assert 0 < results["next_position"] < results["max_positions"]
+    assert results["hours_to_compaction"] > results["default_pixel_budget_hours_to_compaction"] > 0
+
+
+def test_ingest(tmp_path, ros_env):
+    ingest.main(["--seconds", "2", "--width", "320", "--height", "240", "--idle", "0.3",
+                 "--inputs", "rgb8/single", "jpeg/node", "--out", str(tmp_path)])
+    results = written(tmp_path, "ingest")
+    assert set(results["inputs"]) == {"rgb8/single", "jpeg/node"}
+    for name, run in results["inputs"].items():
+        assert run["published"] == 60 and run["received"] >= 50, name
+        assert run["sampled"] >= 3 and run["chunks"] >= 1
+        assert 0 < run["non_sampled_ms"]["median"] < run["sampled_ms"]
+        assert run["build_ms"] > 0 and run["process_percent"] > 0
+    assert results["inputs"]["rgb8/single"]["message_bytes"] == 320 * 240 * 3
+    assert results["inputs"]["rgb8/single"]["executor_thread_ms_per_frame"] > 0
+    assert results["inputs"]["jpeg/node"]["executor_thread_ms_per_frame"] is None
+
+
+def test_end_to_end(tmp_path, ros_env, tiny_model_dir):
+    end_to_end.main(["--model", str(tiny_model_dir), "--seconds", "4", "--width", "320",
+                     "--height", "240", "--budget", "120", "--window", "40",
+                     "--pixel-budget", "4096", "--out", str(tmp_path)])
+    run = written(tmp_path, "end_to_end")["run"]
+    assert run["chunks_expected"] == 4 and run["chunks_received"] >= 3
+    assert 0 < run["latency_ms"]["median"] <= run["latency_ms"]["max"]
+    assert run["processing_ms"]["median"] > 0 and run["real_time_factor"] > 0
+    assert 0 < run["kv_tokens_end"] <= 120 and run["node_cpu_cores"] > 0
+
+
+def test_retention(tmp_path):
+    retention.main(["--seeds", "0", "--seconds", "16", "--event-every", "4",
+                    "--fractions", "0.3", "0.6", "--window", "40", *TINY_STREAM,
+                    "--out", str(tmp_path)])
+    results = written(tmp_path, "retention")
+    assert set(results["policies"]) == {*POLICY_NAMES, "pixel_diff"}
+    stream = results["streams"][0]
+    assert stream["chunks"] == 16 and 0 < stream["event_chunks"] < 16
+    for per_fraction in results["policies"].values():
+        for row in per_fraction.values():
+            assert 0 <= row["event_fraction"] <= 1 and 0 < row["chance"] <= 1
+            assert row["event_chunks"] == stream["event_chunks"]
