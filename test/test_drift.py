@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltas_ros.drift import state_drift, write_strength
+from deltas_ros.drift import state_drift, state_drift_reference, write_strength
 
 
 def test_drift_equals_hand_computation():
@@ -75,3 +75,12 @@ def test_write_strength_replays_the_same_recurrence_as_transformers():
     )
     strength_rest = write_strength(key[:, 3:], value[:, 3:], g[:, 3:], beta[:, 3:], mid)
     torch.testing.assert_close(strength_rest, strength_all[:, 3:], rtol=1e-5, atol=1e-5)
+
+
+def test_fast_drift_equals_the_layer_by_layer_reference():
+    gen = torch.Generator().manual_seed(1)
+    before = [torch.randn(1, 4, 16, 16, generator=gen) for _ in range(6)] + [torch.zeros(3, 3)]
+    after = [b + 0.1 * torch.randn(b.shape, generator=gen) for b in before]
+    fast_mean, fast = state_drift(before, after)
+    ref_mean, ref = state_drift_reference(before, after)
+    assert fast == pytest.approx(ref, rel=1e-6) and fast_mean == pytest.approx(ref_mean)
