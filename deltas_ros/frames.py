@@ -237,6 +237,11 @@ class FrameSampler:
         self._first = self._last = None
         self._index = 0
 
+    @property
+    def stream_start(self) -> float | None:
+        """Header stamp the current stream's times count from (None before the first frame)."""
+        return self._first
+
     def resume(self, stream_start: float, last_stamp: float, next_index: int) -> None:
         """Continue a saved stream (after a restart): stream times still count from its start,
         chunk indices go on, and stamps before `last_stamp` are a jump back (a new stream)."""

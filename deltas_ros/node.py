@@ -349,11 +349,13 @@ class MemoryNode(Node):
     def _restore_from(self, memory: StreamingMemory, path: Path) -> None:
         stream = load_memory(memory, path).get("extra", {}).get("stream", {})
         with self.frame_lock:
-            if stream:
+            if not stream:
+                self.sampler.reset()
+            elif stream["stream_start"] != self.sampler.stream_start:
+                # Another stream, or a fresh start: continue the saved one. (Loading a file of
+                # the stream that is running keeps the sampler where the camera is.)
                 self.sampler.resume(stream["stream_start"], stream["last_stamp"],
                                     stream["next_chunk_index"])
-            else:
-                self.sampler.reset()
         self.stats = memory.stats()
 
     # ----------------------------------------------------------------------------- health

@@ -66,6 +66,7 @@ def ros_domain(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 
 class Tester:
+    __test__ = False  # a helper, not a test class
     """This process's side of the graph: camera publisher, listeners, service clients."""
 
     def __init__(self, namespace: str = "/deltas_memory", topic: str = "/camera/image_raw",
@@ -215,6 +216,11 @@ def raw_node(tiny_model_dir, ros_domain):
     tester = Tester()
     try:
         tester.wait_ready(process)
+        # Warm-up: the first chunk and the first question of a fresh process pay one-time costs
+        # (lazy imports and kernel set-up) that took up to ~30 s on a loaded 2-core machine.
+        tester.stream(2.0)
+        tester.wait_for(lambda: len(tester.drift) >= 2, timeout=120)
+        assert tester.ask("warm-up", timeout=120).success
         yield tester, process
     finally:
         tester.close()
@@ -274,20 +280,28 @@ def test_ten_planners_at_once_get_answers_and_leave_the_memory_untouched(raw_nod
     tester, _ = raw_node
     runs, answers = [], []
 
-    def ten_planners(i: int) -> None:
-        if i == 45:
-            for n in range(10):
-                threading.Thread(target=lambda n=n: answers.append(
-                    tester.ask(f"planner {n}: what is in front of you?")), daemon=True).start()
+    def planner(n: int) -> None:
+        # Generous: on a loaded 2-core CPU ten concurrent questions mid-stream have taken ~60 s
+        # in all (see the note on the executor in README "Reliability").
+        answers.append(tester.ask(f"planner {n}: what is in front of you?", timeout=180))
 
     for with_questions in (True, False):
         tester.reset()
-        tester.stream(4.0, on_frame=ten_planners if with_questions else None)
-        tester.wait_for(lambda: len(tester.drift) >= 4 and len(answers) == 10)
+        camera = threading.Thread(target=tester.stream, args=(4.0,), daemon=True)
+        camera.start()
+        if with_questions:
+            time.sleep(1.5)  # mid-stream
+            planners = [threading.Thread(target=planner, args=(n,)) for n in range(10)]
+            for thread in planners:
+                thread.start()
+            for thread in planners:
+                thread.join(180)
+        camera.join(30)
+        tester.wait_for(lambda: len(tester.drift) >= 4)
         time.sleep(0.5)
         with tester.lock:
             runs.append([(m.chunk_index, m.drift, m.kv_tokens) for m in tester.drift])
-    assert all(a.success for a in answers), [a.error for a in answers]
+    assert len(answers) == 10 and all(a.success for a in answers), [a.error for a in answers]
     assert runs[0] == runs[1]  # the same drift, chunk by chunk: questions left no trace
 
 
