@@ -66,8 +66,9 @@ def ros_domain(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 
 class Tester:
-    __test__ = False  # a helper, not a test class
     """This process's side of the graph: camera publisher, listeners, service clients."""
+
+    __test__ = False  # a helper, not a test class
 
     def __init__(self, namespace: str = "/deltas_memory", topic: str = "/camera/image_raw",
                  compressed: bool = False) -> None:
