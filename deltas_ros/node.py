@@ -83,7 +83,11 @@ class MemoryNode(Node):
         self.frame_id = ""
         self.callback_errors = 0
         self.chunks_before_ready = 0
+        # Counter values at the previous diagnostics report: WARN on what happened since then,
+        # not forever after one dropped chunk or bad frame.
         self.frames_at_last_report = 0
+        self.drops_at_last_report = 0
+        self.bad_at_last_report = 0
         self.last_frame_wall = 0.0
         self.started_wall = time.monotonic()
         self.last_result: ChunkResult | None = None
@@ -296,7 +300,8 @@ class MemoryNode(Node):
             return response
         try:
             self.worker.reset(self.values["ask_timeout_s"])
-            self.sampler.reset()
+            with self.frame_lock:  # the camera thread uses the sampler too
+                self.sampler.reset()
         except (RuntimeError, TimeoutError) as error:
             response.message = str(error)
         else:
@@ -368,7 +373,11 @@ class MemoryNode(Node):
                                             self.last_result, self.stats)
         now = time.monotonic()
         frames_per_s = sampler.received - self.frames_at_last_report
+        new_drops = counters.chunks_dropped - self.drops_at_last_report
+        bad = self.gate.bad_frames + self.callback_errors
+        new_bad = bad - self.bad_at_last_report
         self.frames_at_last_report = sampler.received
+        self.drops_at_last_report, self.bad_at_last_report = counters.chunks_dropped, bad
         latency = sorted(self.latencies_ms)[len(self.latencies_ms) // 2] \
             if self.latencies_ms else 0.0
         seconds_per_chunk = self.values["frames_per_chunk"] / self.values["fps"]
@@ -378,9 +387,9 @@ class MemoryNode(Node):
             level, message = DiagnosticStatus.ERROR, counters.last_error
         elif silent_s > self.values["silence_warn_s"]:
             level, message = DiagnosticStatus.WARN, f"no camera frames for {silent_s:.0f} s"
-        elif self.worker.queue_depth >= self.values["queue_chunks"] or counters.chunks_dropped:
+        elif self.worker.queue_depth >= self.values["queue_chunks"] or new_drops:
             level, message = DiagnosticStatus.WARN, "model slower than real time: chunks dropped"
-        elif self.gate.bad_frames or self.callback_errors:
+        elif new_bad:
             level, message = DiagnosticStatus.WARN, f"bad frames: {self.gate.last_error}"
         values = {
             "input_rate_hz": f"{frames_per_s:.1f}",
