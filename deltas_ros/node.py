@@ -406,6 +406,7 @@ class MemoryNode(Node):
             "questions_answered": counters.questions_answered,
             "questions_failed": counters.questions_failed,
             "queue_depth": self.worker.queue_depth,
+            "questions_waiting": self.worker.questions_waiting,
             "kv_tokens": stats.kv_tokens,
             "budget_tokens": self.memory.config.budget_tokens,
             "memory_bytes": stats.kv_bytes + stats.state_bytes,

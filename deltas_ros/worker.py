@@ -114,6 +114,12 @@ class MemoryWorker:
         with self._lock:
             return self._waiting_chunks()
 
+    @property
+    def questions_waiting(self) -> int:
+        """Questions and calls not yet started."""
+        with self._lock:
+            return len(self._questions)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Finish the item in progress, fail waiting questions, and join the thread."""
         with self._lock:

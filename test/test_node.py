@@ -341,8 +341,9 @@ def test_diagnostics_report_health_and_silence(raw_node):
     tester.wait_for(lambda: len(tester.drift) >= 2)
     level, values = tester.last_status()
     for key in ("input_rate_hz", "frames_received", "frames_sampled", "chunks_processed",
-                "chunks_dropped", "queue_depth", "kv_tokens", "budget_tokens", "memory_bytes",
-                "chunk_latency_ms", "real_time_factor", "last_drift", "device", "model"):
+                "chunks_dropped", "queue_depth", "questions_waiting", "kv_tokens",
+                "budget_tokens", "memory_bytes", "chunk_latency_ms", "real_time_factor",
+                "last_drift", "device", "model"):
         assert key in values
     assert values["budget_tokens"] == "120" and values["device"] == "cpu"
     time.sleep(3.5)  # longer than silence_warn_s

@@ -19,8 +19,10 @@ class FakeMemory:
     log: list = field(default_factory=list)
     fail_on: set = field(default_factory=set)
     gate: threading.Event = field(default_factory=threading.Event)
+    busy: threading.Event = field(default_factory=threading.Event)  # inside a chunk
 
     def add_chunk(self, frames, times, stamp=None):
+        self.busy.set()
         self.gate.wait(5)
         time.sleep(self.chunk_s)
         index = int(times[0])
@@ -44,6 +46,14 @@ def chunk(i: int) -> SampledChunk:
                         stamps=[float(i), i + 0.5], times=[float(i), i + 0.5])
 
 
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    """Poll instead of sleeping a fixed time: CI machines are slow and busy."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
 def make_worker(memory: FakeMemory, queue: int = 4):
     done = []
     worker = MemoryWorker(memory, lambda c, r: done.append(c.index), queue_chunks=queue,
@@ -57,9 +67,7 @@ def test_chunks_are_processed_in_order():
     worker, done = make_worker(memory)
     for i in range(4):
         worker.submit_chunk(chunk(i))
-    deadline = time.monotonic() + 5
-    while len(done) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(done) >= 4)
     worker.stop()
     assert done == [0, 1, 2, 3] and worker.counters.chunks_processed == 4
 
@@ -68,14 +76,12 @@ def test_overflow_drops_the_oldest_waiting_chunks_and_counts_them():
     memory = FakeMemory()  # gate closed: the worker is stuck in chunk 0
     worker, done = make_worker(memory, queue=3)
     worker.submit_chunk(chunk(0))
-    time.sleep(0.05)
+    assert memory.busy.wait(5)
     dropped = sum(worker.submit_chunk(chunk(i)) for i in range(1, 7))
     assert dropped == 3 and worker.counters.chunks_dropped == 3
     assert worker.queue_depth == 3
     memory.gate.set()
-    deadline = time.monotonic() + 5
-    while len(done) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(done) >= 4)
     worker.stop()
     assert done == [0, 4, 5, 6]  # the newest video is kept
 
@@ -85,6 +91,7 @@ def test_questions_are_answered_between_chunks_before_waiting_chunks_in_arrival_
     worker, _ = make_worker(memory, queue=10)
     for i in range(3):
         worker.submit_chunk(chunk(i))
+    assert memory.busy.wait(5)  # the worker holds chunk 0; chunks 1 and 2 wait
     answers = {}
 
     def planner(n: int) -> None:
@@ -94,7 +101,7 @@ def test_questions_are_answered_between_chunks_before_waiting_chunks_in_arrival_
     for n in range(5):
         threads.append(threading.Thread(target=planner, args=(n,)))
         threads[-1].start()
-        time.sleep(0.02)  # a definite order of arrival
+        assert wait_until(lambda n=n: worker.questions_waiting == n + 1)  # a definite order
     memory.gate.set()
     for t in threads:
         t.join(5)
@@ -114,7 +121,7 @@ def test_reset_keeps_its_place_among_chunks():
     worker.request_reset()
     worker.submit_chunk(chunk(1))
     memory.gate.set()
-    time.sleep(0.3)
+    wait_until(lambda: len(memory.log) >= 3)
     worker.stop()
     assert memory.log == [("chunk", 0), ("reset",), ("chunk", 1)]
 
@@ -125,7 +132,7 @@ def test_a_failing_chunk_is_counted_and_the_worker_goes_on():
     worker, done = make_worker(memory)
     for i in range(3):
         worker.submit_chunk(chunk(i))
-    time.sleep(0.3)
+    wait_until(lambda: len(done) >= 2)
     worker.stop()
     assert done == [0, 2]
     assert worker.counters.chunks_failed == 1 and "out of memory" in worker.counters.last_error
@@ -144,7 +151,7 @@ def test_a_question_times_out_when_the_worker_is_busy():
     memory = FakeMemory()  # gate closed
     worker, _ = make_worker(memory)
     worker.submit_chunk(chunk(0))
-    time.sleep(0.05)
+    assert memory.busy.wait(5)
     with pytest.raises(TimeoutError):
         worker.ask("anyone?", None, timeout_s=0.2)
     memory.gate.set()
@@ -155,7 +162,7 @@ def test_stop_fails_waiting_questions_and_refuses_new_work():
     memory = FakeMemory()  # gate closed: stuck in chunk 0
     worker, _ = make_worker(memory)
     worker.submit_chunk(chunk(0))
-    time.sleep(0.05)
+    assert memory.busy.wait(5)
     errors = []
     t = threading.Thread(target=lambda: errors.append(
         pytest.raises(RuntimeError, worker.ask, "late", None, 5)))
@@ -174,7 +181,7 @@ def test_stop_fails_waiting_questions_and_refuses_new_work():
 def test_call_runs_on_the_worker_between_chunks():
     memory = FakeMemory()
     memory.gate.set()
-    worker, _ = make_worker(memory)
+    worker, done = make_worker(memory)
     thread_names = []
 
     def snapshot(mem):
@@ -182,7 +189,7 @@ def test_call_runs_on_the_worker_between_chunks():
         return len(mem.log)
 
     worker.submit_chunk(chunk(0))
-    time.sleep(0.1)
+    assert wait_until(lambda: done == [0])
     assert worker.call(snapshot, timeout_s=5) == 1
     assert thread_names == ["deltas_memory_worker"]
     def refuse(mem):
