@@ -30,6 +30,7 @@ class WorkerCounters:
     chunks_processed: int = 0
     chunks_dropped: int = 0
     chunks_failed: int = 0
+    reports_failed: int = 0  # on_chunk raised: the chunk is in memory, its report is lost
     questions_answered: int = 0
     questions_failed: int = 0
     resets: int = 0
@@ -178,7 +179,10 @@ class MemoryWorker:
         finally:
             self.busy_s += time.perf_counter() - start
         self.counters.chunks_processed += 1
-        self.on_chunk(chunk, result)
+        try:
+            self.on_chunk(chunk, result)
+        except Exception as error:  # a broken report must not stop the memory either
+            self._failed("reports_failed", f"reporting chunk {chunk.index} failed: {error}")
 
     def _serve(self, request: _Request) -> None:
         try:

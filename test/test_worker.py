@@ -198,3 +198,22 @@ def test_call_runs_on_the_worker_between_chunks():
     with pytest.raises(RuntimeError, match="bad file"):
         worker.call(refuse, timeout_s=5)
     worker.stop()
+
+
+def test_a_failing_report_is_counted_and_the_worker_goes_on():
+    memory = FakeMemory()
+    memory.gate.set()
+    reported = []
+
+    def on_chunk(c, result):
+        if c.index == 0:
+            raise RuntimeError("publisher's context is invalid")
+        reported.append(c.index)
+
+    worker = MemoryWorker(memory, on_chunk, queue_chunks=4, poll_s=0.01)
+    for i in range(2):
+        worker.submit_chunk(chunk(i))
+    assert wait_until(lambda: reported == [1])
+    worker.stop()
+    assert worker.counters.chunks_processed == 2 and worker.counters.reports_failed == 1
+    assert "context is invalid" in worker.counters.last_error
