@@ -42,6 +42,22 @@ VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
 PREFIX_CHUNK = -1  # chunk index of the chat prefix's slots
 
 
+def question_problem(question: str, max_chars: int | None = None) -> str:
+    """Why a question is refused, or "" when it is fine.
+
+    A question that was not valid UTF-8 on the wire reaches Python with U+FFFD in place of the
+    bad bytes (rclpy decodes strings with "replace"); answering a mangled question would hide
+    the client's bug, so it is refused.
+    """
+    if not question.strip():
+        return "the question is empty"
+    if max_chars is not None and len(question) > max_chars:
+        return f"the question has {len(question)} characters; the limit is {max_chars}"
+    if "\ufffd" in question:
+        return "the question is not valid UTF-8 (it arrived with U+FFFD replacement characters)"
+    return ""
+
+
 class ChunkFailed(RuntimeError):
     """A chunk could not be ingested; the memory was rolled back to its state before it."""
 
@@ -381,8 +397,8 @@ class StreamingMemory:
         Only if the question and its answer would pass max_position_embeddings are the positions
         compacted first. A failure while answering (e.g. out of memory) raises QuestionFailed.
         """
-        if not question.strip():
-            raise ValueError("the question is empty")
+        if problem := question_problem(question):
+            raise ValueError(problem)
         start = time.perf_counter()
         limit = max_new_tokens or self.config.max_new_tokens
         ids, _ = self._question_ids(question)

@@ -52,7 +52,7 @@ from .frames import (
     decode_message,
     message_stamp,
 )
-from .memory import ChunkResult, StreamingMemory
+from .memory import ChunkResult, StreamingMemory, question_problem
 from .model import load_model
 from .msg import DriftScore
 from .persist import load_memory, save_memory
@@ -279,13 +279,10 @@ class MemoryNode(Node):
     def _ask(self, request: AskMemory.Request, response: AskMemory.Response):
         start = time.perf_counter()
         question = request.question
-        limit = self.values["max_question_chars"]
         if self.worker is None:
             response.error = NOT_READY
-        elif not question.strip():
-            response.error = "the question is empty"
-        elif len(question) > limit:
-            response.error = f"the question has {len(question)} characters; the limit is {limit}"
+        elif problem := question_problem(question, self.values["max_question_chars"]):
+            response.error = problem
         else:
             try:
                 answer = self.worker.ask(question,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.memory import MemoryConfig, StreamingMemory, question_problem
 from deltas_ros.policy import POLICY_NAMES
 
 SMALL = dict(pixel_budget=64 * 64)  # 4 vision tokens per chunk: fast streams on CPU
@@ -133,6 +133,22 @@ def test_empty_question_is_refused(tiny_model):
     memory = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
     with pytest.raises(ValueError, match="empty"):
         memory.ask("   ")
+    with pytest.raises(ValueError, match="UTF-8"):
+        memory.ask("what is \ufffd?")
+
+
+@pytest.mark.parametrize(("question", "limit", "problem"), [
+    ("what is on the table?", 100, ""),
+    ("", None, "empty"),
+    (" \n\t", 100, "empty"),
+    ("x" * 101, 100, "limit is 100"),
+    ("x" * 100, 100, ""),
+    ("caf\ufffd?", None, "UTF-8"),
+    ("café, 桌子?", 100, ""),
+])
+def test_question_problem(question, limit, problem):
+    found = question_problem(question, limit)
+    assert (problem in found and found) if problem else found == ""
 
 
 def test_long_stream_never_exceeds_budget_plus_one_chunk(tiny_model):

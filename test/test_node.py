@@ -337,6 +337,11 @@ def test_bad_frames_are_counted_and_the_node_keeps_running(raw_node):
     level, values = tester.last_status()
     assert int(values["frames_bad"]) >= 4
     assert int(values["chunks_processed"]) >= 2
+    # WARN while bad frames come, OK again once only good ones do.
+    with tester.lock:
+        levels = [(m.status[0].level, m.status[0].message) for m in tester.diagnostics]
+    first_warn = next(i for i, (lvl, msg) in enumerate(levels) if msg.startswith("bad frames"))
+    assert (DiagnosticStatus.OK, "ok") in levels[first_warn:]
 
 
 def test_diagnostics_report_health_and_silence(raw_node):
@@ -405,6 +410,8 @@ def test_questions_are_validated(raw_node):
     assert not empty.success and "empty" in empty.error
     long = tester.ask("x" * 5000)
     assert not long.success and "limit" in long.error
+    broken = tester.ask("where is the c\ufffdp?")  # how bytes that are not UTF-8 arrive
+    assert not broken.success and "UTF-8" in broken.error
 
 
 def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, ros_domain):

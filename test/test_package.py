@@ -72,6 +72,20 @@ def test_interfaces_round_trip_through_rclpy_serialization():
     assert deserialize_message(serialize_message(response), AskMemory.Response) == response
 
 
+def test_a_question_with_bytes_that_are_not_utf8_arrives_with_replacement_characters():
+    """What a C++ client's broken string becomes in the node: the node refuses it for that."""
+    from deltas_ros.srv import AskMemory
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    from deltas_ros.memory import question_problem
+
+    wire = serialize_message(AskMemory.Request(question="where is the cup?"))
+    broken = wire.replace(b"cup", b"c\xffp")  # the same length, one invalid byte
+    question = deserialize_message(broken, AskMemory.Request).question
+    assert question == "where is the c\ufffdp?"
+    assert "UTF-8" in question_problem(question)
+
+
 def test_generated_types_are_the_built_ones():
     from deltas_ros.msg import DriftScore
     from deltas_ros.srv import AskMemory

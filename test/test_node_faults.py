@@ -1,0 +1,129 @@
+"""The node in this process, so that a test can hold its model load or make a chunk run out of
+memory; the tester still talks to it over DDS, from its own context.
+
+test_node.py starts the node as its own process, as launch does; these faults need a hand inside.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import rclpy
+from deltas_ros.srv import MemoryFile
+from diagnostic_msgs.msg import DiagnosticStatus
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.parameter import Parameter
+from std_srvs.srv import Trigger
+from test_faults import fail_on_call
+from test_node import SMALL, Tester
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+from deltas_ros import node as node_module
+from deltas_ros.node import NOT_READY, MemoryNode
+
+
+@contextmanager
+def node_in_process(model_dir: Path, **overrides: str) -> Iterator[MemoryNode]:
+    """MemoryNode spun by a MultiThreadedExecutor on a thread, as `main` spins it."""
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    values = {"model_path": str(model_dir), "reliable_qos": True, "max_new_tokens": 4} | {
+        key: type_of(key)(value) for key, value in (SMALL | overrides).items()}
+    node = MemoryNode(context=context,
+                      parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
+    executor = MultiThreadedExecutor(num_threads=8, context=context)
+    executor.add_node(node)
+
+    def spin() -> None:
+        try:
+            executor.spin()
+        except ExternalShutdownException:
+            pass
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield node
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+        thread.join(5)
+
+
+def type_of(name: str) -> type:
+    from deltas_ros.params import PARAMS
+
+    return type(next(p.default for p in PARAMS if p.name == name))
+
+
+def statuses(tester: Tester) -> list[tuple[int, str]]:
+    with tester.lock:
+        return [(m.status[0].level, m.status[0].message) for m in tester.diagnostics]
+
+
+def wait_until(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_services_answer_not_ready_while_the_model_loads(tiny_model_dir, ros_env, monkeypatch):
+    release = threading.Event()
+    real_load = node_module.load_model
+
+    def slow_load(*args, **kwargs):
+        release.wait(60)  # a 9B model takes a while to load
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(node_module, "load_model", slow_load)
+    tester = Tester()
+    try:
+        with node_in_process(tiny_model_dir):
+            wait_until(lambda: tester.ask_client.service_is_ready())
+            assert tester.ask("what do you see?").error == NOT_READY
+            assert tester.call(tester.reset_client, Trigger.Request()).message == NOT_READY
+            save = tester.node.create_client(MemoryFile, "/deltas_memory/save_memory")
+            wait_until(save.service_is_ready)
+            assert tester.call(save, MemoryFile.Request()).message == NOT_READY
+            wait_until(lambda: statuses(tester))
+            assert statuses(tester)[-1] == (DiagnosticStatus.WARN, "loading the model")
+
+            release.set()
+            wait_until(lambda: not tester.ask(" ").error.startswith("not ready"))
+            answer = tester.ask("what do you see?", timeout=120)
+            assert answer.success, answer.error
+    finally:
+        release.set()
+        tester.close()
+
+
+def test_a_chunk_that_runs_out_of_memory_turns_diagnostics_error_and_the_node_goes_on(
+        tiny_model_dir, ros_env, monkeypatch):
+    monkeypatch.setattr(node_module, "ERROR_HOLD_S", 2.0)  # 10 s on a robot
+    tester = Tester()
+    try:
+        with node_in_process(tiny_model_dir, silence_warn_s="30.0") as node:
+            wait_until(lambda: node.worker is not None)
+            calls = fail_on_call(monkeypatch, Qwen3_5VisionModel, "forward", 3)  # chunk 2
+            tester.stream(5.0)
+            tester.wait_for(lambda: len(tester.drift) >= 4, timeout=120)
+            assert calls[:3] == [1, 2, 3]
+            assert [m.chunk_index for m in tester.drift][:4] == [0, 1, 3, 4]
+            assert node.worker.counters.chunks_failed == 1
+            wait_until(lambda: any(level == DiagnosticStatus.ERROR for level, _ in
+                                   statuses(tester)))
+            error = next(m for lvl, m in statuses(tester) if lvl == DiagnosticStatus.ERROR)
+            assert "chunk 2 failed" in error and "out of memory" in error
+            # Still serving, and the ERROR clears once the hold has passed.
+            assert tester.ask("what do you see?", timeout=120).success
+            wait_until(lambda: statuses(tester)[-1][0] == DiagnosticStatus.OK)
+            _, values = tester.last_status()
+            assert values["chunks_failed"] == "1"
+    finally:
+        tester.close()
