@@ -42,6 +42,16 @@ VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
 PREFIX_CHUNK = -1  # chunk index of the chat prefix's slots
 
 
+def _gather_slots(cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """cache[..., keep, :] for a (B, kv_heads, T, head_dim) K or V tensor.
+
+    Through a (B * kv_heads, T, head_dim) view: PyTorch's CPU index_select is ~7x faster on it
+    than on the 4-D tensor at the tiny model's sizes (equal when memory-bound, and on CUDA).
+    """
+    batch, heads, _, dim = cache.shape
+    return cache.reshape(batch * heads, -1, dim).index_select(1, keep).view(batch, heads, -1, dim)
+
+
 def question_problem(question: str, max_chars: int | None = None) -> str:
     """Why a question is refused, or "" when it is fine.
 
@@ -330,11 +340,11 @@ class StreamingMemory:
         )
         keep_dev = keep.to(self.device)
         layers = [self.cache.layers[i] for i in self._full]
-        kept = [(layer.keys.index_select(-2, keep_dev), layer.values.index_select(-2, keep_dev))
+        kept = [(_gather_slots(layer.keys, keep_dev), _gather_slots(layer.values, keep_dev))
                 for layer in layers]
         slots = (self.slot_time[keep], self.slot_score[keep], self.slot_chunk[keep],
                  self.slot_position[:, keep])
-        retained = set(slots[2].unique().tolist())
+        retained = set(slots[2].unique_consecutive().tolist())  # chunks never decrease
         stamps = {c: s for c, s in self.chunk_stamps.items() if c in retained}
         for layer, (keys, values) in zip(layers, kept):
             layer.keys, layer.values = keys, values

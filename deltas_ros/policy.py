@@ -38,33 +38,40 @@ def select_keep(
 
     times:  (T,) arrival time of each slot's chunk, non-decreasing in slot order
     scores: (T,) retention score of each slot (higher is kept first; NaN counts as lowest)
+
+    Two sorts: because times never decrease along the slots, "newer chunk, then later slot" is
+    simply "later slot", so best-first is one stable sort by score of the candidates in reverse
+    slot order, and a stable sort of that order by bucket ranks each bucket. The result comes
+    from a keep mask, already sorted. `select_keep_reference` is the loop it is tested against.
     """
     total = times.numel()
     _check_args(total, scores.numel(), budget, sinks, window, buckets)
     device = times.device
     if total <= budget:
         return torch.arange(total, device=device)
-    candidates = torch.arange(sinks, total - window, device=device)
-    cand_times, cand_scores = times[candidates], scores[candidates].float().nan_to_num(-math.inf)
-    bucket = _bucket_of(cand_times, buckets)
-    shares = _shares(budget - sinks - window, buckets, device)
+    candidates = torch.arange(total - window - 1, sinks - 1, -1, device=device)  # newest first
+    cand_scores = scores[candidates].float().nan_to_num(-math.inf)
+    best_first = torch.sort(cand_scores, descending=True, stable=True).indices
+    bucket = _bucket_of(times[candidates], buckets)
+    by_bucket = best_first[torch.sort(bucket[best_first], stable=True).indices]
 
-    # Best-first inside each bucket: sort best-first overall, then stably group by bucket.
-    order = _best_first(cand_scores, cand_times, candidates)
-    order = order[torch.sort(bucket[order], stable=True).indices]
+    # Rank inside each bucket; the top `share` of each are kept.
     counts = torch.bincount(bucket, minlength=buckets)
     starts = torch.cumsum(counts, 0) - counts
-    ordered_bucket = bucket[order]
-    rank = torch.arange(order.numel(), device=device) - starts[ordered_bucket]
-    in_share = rank < shares[ordered_bucket]
-    kept, rest = order[in_share], order[~in_share]
+    ordered_bucket = bucket[by_bucket]
+    rank = torch.arange(by_bucket.numel(), device=device) - starts[ordered_bucket]
+    in_share = torch.zeros_like(cand_scores, dtype=torch.bool)
+    in_share[by_bucket] = rank < _shares(budget - sinks - window, buckets, device)[ordered_bucket]
 
-    spare = budget - sinks - window - kept.numel()
-    rest = rest[_best_first(cand_scores[rest], cand_times[rest], candidates[rest])][:spare]
-    chosen = candidates[torch.cat([kept, rest])]
-    fixed = torch.cat([torch.arange(sinks, device=device),
-                       torch.arange(total - window, total, device=device)])
-    return torch.sort(torch.cat([fixed, chosen])).values
+    # Spare budget (buckets thinner than their share) goes to the best of the rest, any bucket.
+    spare = budget - sinks - window - in_share.sum()
+    rest = best_first[~in_share[best_first]]
+    keep = torch.zeros(total, dtype=torch.bool, device=device)
+    keep[:sinks] = True
+    keep[total - window:] = True
+    keep[candidates[in_share]] = True
+    keep[candidates[rest[torch.arange(rest.numel(), device=device) < spare]]] = True
+    return keep.nonzero().squeeze(1)
 
 
 def select_keep_reference(
@@ -125,15 +132,6 @@ def _shares(free: int, buckets: int, device: torch.device) -> torch.LongTensor:
     shares = torch.full((buckets,), base, dtype=torch.long, device=device)
     shares[buckets - extra:] += 1  # the remainder goes to the newest buckets
     return shares
-
-
-def _best_first(
-    scores: torch.Tensor, times: torch.Tensor, slots: torch.Tensor
-) -> torch.LongTensor:
-    """Permutation ordering by score, then time, then slot index, all descending."""
-    order = torch.sort(slots, descending=True, stable=True).indices
-    order = order[torch.sort(times[order], descending=True, stable=True).indices]
-    return order[torch.sort(scores[order], descending=True, stable=True).indices]
 
 
 @dataclass

@@ -212,3 +212,11 @@ def test_config_is_validated():
         MemoryConfig(budget_tokens=100, window_tokens=200)
     with pytest.raises(ValueError, match="unknown policy"):
         MemoryConfig(policy="magic")
+
+
+def test_gather_slots_equals_index_select_on_the_slot_dimension():
+    from deltas_ros.memory import _gather_slots
+
+    cache = torch.randn(2, 3, 50, 8)
+    keep = torch.tensor([0, 1, 7, 8, 9, 30, 49])
+    assert torch.equal(_gather_slots(cache, keep), cache.index_select(-2, keep))
