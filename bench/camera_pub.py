@@ -5,10 +5,11 @@ frames come from another process, as they would from a camera driver.
 
 How: one second of a synthetic stream (synth_stream) is encoded once, as sensor_msgs/Image rgb8 or
 sensor_msgs/CompressedImage JPEG, and published in a loop with header stamps start + i / fps,
-paced by the wall clock, after the wanted subscribers have matched (reliable QoS). Before exiting
-it waits until every frame is acknowledged, then prints one JSON line (frames published, its own
-CPU seconds and wall seconds while publishing); with --log it also writes each frame's stamp (ns)
-and publish wall time (time.time(), taken just before publish) for latency measurements.
+paced by the wall clock, after the wanted subscribers have matched (reliable QoS, a history of the
+whole stream). Before exiting it waits until every frame is acknowledged, then prints one JSON line
+(frames published, its own CPU seconds and wall seconds while publishing); with --log it also
+writes each frame's stamp (ns) and publish wall time (time.time(), taken just before publish) for
+latency measurements.
 
     python -m bench.camera_pub --topic /camera/image_raw --encoding rgb8 --seconds 30
 """
@@ -30,8 +31,10 @@ from sensor_msgs.msg import CompressedImage, Image
 
 from deltas_ros.synth import NS_PER_S, stamp_ns, synth_stream
 
-SETTLE_S = 0.5  # after matching: the subscriber's side of discovery may still be in flight
-ACK_TIMEOUT_S = 5.0  # before exiting: reliable frames still unacknowledged would be lost
+# After matching, the subscriber's side of discovery may still be in flight: frames it misses
+# are resent once it matches, but late, which would skew latencies of the first ones.
+SETTLE_S = 0.5
+ACK_TIMEOUT_S = 30.0  # before exiting: reliable frames still unacknowledged would be lost
 JPEG_QUALITY = 90
 
 
@@ -70,9 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     bank = frame_bank(args.encoding, args.width, args.height, args.fps, args.seed)
+    count = round(args.seconds * args.fps)
     rclpy.init()
     node = rclpy.create_node("bench_camera")
-    qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE,
+    # A history of the whole stream: reliable QoS then resends every frame a subscriber missed
+    # (one that matched late, or stalled on a busy machine) instead of dropping the oldest.
+    # Acknowledged frames leave it (volatile), so it holds only those in flight.
+    qos = QoSProfile(depth=max(count, 1), reliability=ReliabilityPolicy.RELIABLE,
                      durability=DurabilityPolicy.VOLATILE)
     publisher = node.create_publisher(type(bank[0]), args.topic, qos)
     deadline = time.monotonic() + args.wait_s
@@ -84,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(SETTLE_S)
 
     log: list[tuple[int, float]] = []
-    count = round(args.seconds * args.fps)
     cpu0, wall0 = time.process_time(), time.monotonic()
     for i in range(count):
         ns = stamp_ns(args.start_stamp, i, args.fps)

@@ -30,9 +30,11 @@ from typing import Any
 
 import rclpy
 from deltas_ros.msg import DriftScore
+from deltas_ros.srv import AskMemory
 from rclpy.executors import SingleThreadedExecutor
 
 from deltas_ros.model import make_model
+from deltas_ros.node import NOT_READY
 from deltas_ros.synth import NS_PER_S
 
 from .common import (
@@ -51,7 +53,9 @@ from .common import (
 
 TOPIC = "/bench/camera/image_raw"
 DRIFT_TOPIC = "/deltas_memory/drift"
+ASK_SERVICE = "/deltas_memory/ask_memory"
 CHUNK_S = 1.0  # two frames at 2 fps
+READY_TIMEOUT_S = 600.0  # a 9B model takes minutes to load from a cold disk
 
 
 def node_command(model_dir: Path, args: argparse.Namespace) -> list[str]:
@@ -83,6 +87,7 @@ class Listener:
         self.lock = threading.Lock()
         self.arrivals: list[tuple[DriftScore, float]] = []
         self.node.create_subscription(DriftScore, DRIFT_TOPIC, self.on_drift, 100)
+        self.ask_client = self.node.create_client(AskMemory, ASK_SERVICE)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self.thread = threading.Thread(target=self.executor.spin, daemon=True)
@@ -92,6 +97,18 @@ class Listener:
         arrival = time.time()
         with self.lock:
             self.arrivals.append((msg, arrival))
+
+    def node_ready(self) -> bool:
+        """Whether the model is loaded: a blank question is refused, but not as "not ready"."""
+        if not self.ask_client.service_is_ready():
+            return False
+        future = self.ask_client.call_async(AskMemory.Request(question=" "))
+        deadline = time.monotonic() + 10.0
+        while not future.done():
+            if time.monotonic() > deadline:
+                return False  # no answer yet: the node is busy loading; ask again
+            time.sleep(0.05)
+        return future.result().error != NOT_READY
 
     def wait(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -124,8 +141,9 @@ def run(model_dir: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
     listener = Listener()
     err = ""
     try:
-        listener.wait(lambda: node.poll() is not None
-                      or listener.node.count_publishers(DRIFT_TOPIC) > 0, 120, "the node")
+        # Frames that come before the model is loaded are dropped: start the camera after.
+        listener.wait(lambda: node.poll() is not None or listener.node_ready(),
+                      READY_TIMEOUT_S, "the node to load the model")
         if node.poll() is not None:
             raise RuntimeError(f"the node exited: {node.stderr.read()[-3000:]}")
         cpu0, wall0 = cpu_seconds(node.pid), time.monotonic()

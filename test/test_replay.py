@@ -41,9 +41,10 @@ def on_image(msg):
 def on_clock(msg):
     got["clock"] += 1
 
-qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+# Deep enough for a whole run: a subscriber stalled on a busy machine loses nothing.
+qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
 node.create_subscription(Image, topic, on_image, qos)
-node.create_subscription(Clock, "/clock", on_clock, 10)
+node.create_subscription(Clock, "/clock", on_clock, qos)
 deadline = time.monotonic() + timeout
 try:
     while len(got["stamps"]) < count and time.monotonic() < deadline:
@@ -92,7 +93,7 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def received(subscriber: subprocess.Popen) -> dict:
-    out, err = subscriber.communicate(timeout=30)
+    out, err = subscriber.communicate(timeout=90)
     assert subscriber.returncode == 0, err
     return json.loads(out.strip().splitlines()[-1])
 
@@ -100,7 +101,7 @@ def received(subscriber: subprocess.Popen) -> dict:
 def subscriber_for(tmp_path: Path, count: int, env: dict[str, str]) -> subprocess.Popen:
     script = tmp_path / "subscriber.py"
     script.write_text(SUBSCRIBER)
-    return start([str(script), TOPIC, str(count), "20"], env)
+    return start([str(script), TOPIC, str(count), "60"], env)  # it exits once it has them
 
 
 @pytest.mark.parametrize("rate", [1.0, 2.0])
@@ -114,11 +115,14 @@ def test_replay_delivers_every_frame_in_order_at_rate(bag, rate, tmp_path, ros_e
     assert stats["published"] == {TOPIC: FRAMES}
     assert stats["loops"] == 1 and not stats["interrupted"]
     assert got["stamps"] == expected_stamps()
-    # The recorded time line, scaled: (FRAMES - 1) frame intervals, loosely on a busy 2-core CI.
+    # The recorded time line, scaled: (FRAMES - 1) frame intervals. Never faster than the rate
+    # allows; slower only by a busy 2-core CI's delays: a stalled subscriber receives late, the
+    # replay itself is late only by its start and last frame (it schedules from its start), so
+    # it stays below 2x, where a replay ignoring the rate would be.
     expected_s = (FRAMES - 1) / FPS / rate
     span_s = got["recv"][-1] - got["recv"][0]
-    assert 0.8 * expected_s < span_s < 1.3 * expected_s + 0.2
-    assert 0.9 * expected_s < stats["wall_s"] < 1.3 * expected_s + 0.2
+    assert 0.8 * expected_s < span_s < 3 * expected_s + 2
+    assert 0.9 * expected_s < stats["wall_s"] < 2 * expected_s
     assert got["clock"] == 0
 
 
@@ -149,7 +153,7 @@ def test_replay_stops_cleanly_on_sigint(bag, tmp_path, ros_env):
         replay = start(["-m", "deltas_ros.cli", "replay", str(bag), "--loop"], ros_env)
         assert len(received(subscriber)["stamps"]) >= 5  # so the replay is publishing by now
         replay.send_signal(signal.SIGINT)
-        out, err = replay.communicate(timeout=10)
+        out, err = replay.communicate(timeout=60)
     finally:
         stop(subscriber)
         if replay is not None:

@@ -23,7 +23,7 @@ class FakeMemory:
 
     def add_chunk(self, frames, times, stamp=None):
         self.busy.set()
-        self.gate.wait(5)
+        self.gate.wait(30)  # tests open it; the limit only keeps a broken test from hanging
         time.sleep(self.chunk_s)
         index = int(times[0])
         if index in self.fail_on:
@@ -46,7 +46,7 @@ def chunk(i: int) -> SampledChunk:
                         stamps=[float(i), i + 0.5], times=[float(i), i + 0.5])
 
 
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+def wait_until(predicate, timeout_s: float = 30.0) -> bool:
     """Poll instead of sleeping a fixed time: CI machines are slow and busy."""
     deadline = time.monotonic() + timeout_s
     while not predicate() and time.monotonic() < deadline:
@@ -165,14 +165,14 @@ def test_stop_fails_waiting_questions_and_refuses_new_work():
     assert memory.busy.wait(5)
     errors = []
     t = threading.Thread(target=lambda: errors.append(
-        pytest.raises(RuntimeError, worker.ask, "late", None, 5)))
+        pytest.raises(RuntimeError, worker.ask, "late", None, 30)))
     t.start()
-    time.sleep(0.05)
+    assert wait_until(lambda: worker.questions_waiting == 1)  # waiting when stop comes
     stopper = threading.Thread(target=worker.stop)
     stopper.start()
     memory.gate.set()
-    stopper.join(5)
-    t.join(5)
+    stopper.join(30)
+    t.join(30)
     assert errors and "shutting down" in str(errors[0].value)
     with pytest.raises(RuntimeError, match="shutting down"):
         worker.ask("after", None, 1)
