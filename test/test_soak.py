@@ -14,7 +14,7 @@ from pathlib import Path
 
 from deltas_ros.srv import MemoryFile
 from diagnostic_msgs.msg import DiagnosticStatus
-from test_node import Tester, start, stop
+from test_node import Tester, start, status_values, stop
 
 SOAK_S = float(os.environ.get("DELTAS_SOAK_S", "120"))  # simulated stream seconds
 SPEED = float(os.environ.get("DELTAS_SOAK_SPEED", "4"))  # stream seconds per wall second
@@ -44,7 +44,7 @@ def test_a_long_sped_up_stream_loses_nothing_uncounted_and_stays_flat(tiny_model
                     memory_file=str(tmp_path / "memory.safetensors"))
     tester = Tester()
     try:
-        tester.wait_ready(process, timeout=120)
+        tester.wait_ready(process)
         camera = threading.Thread(target=tester.stream, daemon=True,
                                   kwargs=dict(seconds=SOAK_S, speed=SPEED, fps=CAMERA_FPS))
         camera.start()
@@ -74,11 +74,21 @@ def test_a_long_sped_up_stream_loses_nothing_uncounted_and_stays_flat(tiny_model
         expected = int(SOAK_S)  # 2 fps, 2 frames per chunk: one chunk per stream second
         tester.wait_for(lambda: chunks_accounted(tester) >= expected - 1, timeout=180)
         answers.append(tester.ask("what did you see at the end?", timeout=120))
-        time.sleep(2.0)  # one more diagnostics report after the last chunk
-        level, values = tester.last_status()
+        final = {}
+
+        def settled() -> bool:
+            """A diagnostics report that counts exactly the chunks published on ~/drift, taken
+            together with them; never true if a processed chunk's DriftScore was lost."""
+            status = tester.diagnostics[-1].status[0]
+            if len(tester.drift) != int(status_values(status)["chunks_processed"]):
+                return False
+            final.update(level=status.level, values=status_values(status),
+                         drift=list(tester.drift))
+            return True
+
+        tester.wait_for(settled, timeout=30)
+        level, values, drift = final["level"], final["values"], final["drift"]
         rss_end = rss_bytes(process.pid)
-        with tester.lock:
-            drift = list(tester.drift)
     finally:
         tester.close()
         code, err = stop(process)
@@ -91,7 +101,6 @@ def test_a_long_sped_up_stream_loses_nothing_uncounted_and_stays_flat(tiny_model
     indices = [m.chunk_index for m in drift]
     assert values["chunks_failed"] == "0" and level != DiagnosticStatus.ERROR
     assert processed + dropped in (expected - 1, expected)  # the last chunk may be incomplete
-    assert len(drift) == processed  # every processed chunk was published
     assert indices == sorted(set(indices)) and indices[-1] < expected
     assert all(f.success for f in files), [f.message for f in files]
     assert all(a.success for a in answers), [a.error for a in answers]
