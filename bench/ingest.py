@@ -9,9 +9,9 @@ How: a camera process (bench.camera_pub) publishes over DDS; this process subscr
 node's camera QoS (reliable, depth FRAME_HISTORY) and its callback runs the node's per-frame path,
 FrameGate.push(message_stamp(msg), lambda: decode_message(msg)), plus, for finished chunks,
 ChunkBuilder.build (the CPU part of add_chunk; the model itself is left out). The executor is
-rclpy's SingleThreadedExecutor ("single"), or the node's own MultiThreadedExecutor(num_threads=8)
-("node"), each spun with spin() as the node does. Per frame, over the window from the first to the
-last callback:
+rclpy's SingleThreadedExecutor ("single"), or a MultiThreadedExecutor with the node's thread count
+("node"), each spun with spin() as the node does. Per frame, over the window from the first to
+the last callback:
 - callback CPU: time.thread_time() around that path, split into non-sampled frames, sampled
   frames (decode) and chunk builds;
 - executor thread CPU (single executor only): time.thread_time() from callback to callback, which
@@ -42,7 +42,7 @@ from sensor_msgs.msg import CompressedImage, Image
 from deltas_ros.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
 from deltas_ros.frames import FrameGate, FrameSampler, decode_message, message_stamp
 from deltas_ros.model import make_tokenizer, tiny_config
-from deltas_ros.node import FRAME_HISTORY
+from deltas_ros.node import EXECUTOR_THREADS, FRAME_HISTORY
 
 from .camera_pub import frame_bank
 from .common import (
@@ -62,7 +62,8 @@ from .common import (
 TOPICS = {"rgb8": "/bench/camera/image_raw", "jpeg": "/bench/camera/image_raw/compressed"}
 EXECUTORS = {
     "single": SingleThreadedExecutor,
-    "node": lambda context: MultiThreadedExecutor(num_threads=8, context=context),  # node.main
+    "node": lambda context: MultiThreadedExecutor(num_threads=EXECUTOR_THREADS,
+                                                  context=context),  # as node.main
 }
 DEFAULT_INPUTS = ["rgb8/single", "jpeg/single", "rgb8/node"]
 TARGETS = {"non_sampled_ms": 0.1, "process_percent": 5.0}
@@ -213,9 +214,9 @@ def report(results: dict[str, Any]) -> str:
              f"{ros['fastdds_builtin_transports']}; reliable QoS, {results['fps']:g} fps, "
              f"{results['size'][0]}x{results['size'][1]}, {results['seconds']:g} s per input. "
              "Executors: single = rclpy SingleThreadedExecutor, node = the node's "
-             "MultiThreadedExecutor(num_threads=8). rclpy takes and deserializes each message "
-             "before the callback runs: that cost is in the executor-thread and process columns, "
-             "not in the callback column.\n")
+             f"MultiThreadedExecutor(num_threads={EXECUTOR_THREADS}). rclpy takes and "
+             "deserializes each message before the callback runs: that cost is in the "
+             "executor-thread and process columns, not in the callback column.\n")
     return body
 
 

@@ -77,4 +77,4 @@ def format_response(response: AskMemory.Response) -> str:
             f"evidence (stream time): {evidence}\n"
             f"memory: {response.memory_tokens} tokens covering "
             f"{response.memory_span_start:.1f}-{response.memory_span_end:.1f} s; "
-            f"answered in {response.latency_ms:.0f} ms")
+            f"the node answered in {response.latency_ms:.0f} ms")

@@ -52,19 +52,21 @@ def _gather_slots(cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return cache.reshape(batch * heads, -1, dim).index_select(1, keep).view(batch, heads, -1, dim)
 
 
-def question_problem(question: str, max_chars: int | None = None) -> str:
+def question_problem(question: str, max_chars: int | None = None, wire: bool = False) -> str:
     """Why a question is refused, or "" when it is fine.
 
-    A question that was not valid UTF-8 on the wire reaches Python with U+FFFD in place of the
-    bad bytes (rclpy decodes strings with "replace"); answering a mangled question would hide
-    the client's bug, so it is refused.
+    wire: the question came in a ROS message. A string that was not valid UTF-8 on the wire
+    reaches Python with U+FFFD in place of the bad bytes (rclpy decodes with "replace");
+    answering a mangled question would hide the client's bug, so it is refused. (From Python, a
+    U+FFFD is just a character.)
     """
     if not question.strip():
         return "the question is empty"
     if max_chars is not None and len(question) > max_chars:
         return f"the question has {len(question)} characters; the limit is {max_chars}"
-    if "\ufffd" in question:
-        return "the question is not valid UTF-8 (it arrived with U+FFFD replacement characters)"
+    if wire and "\ufffd" in question:
+        return ("the question contains U+FFFD: it was not valid UTF-8 when sent (or carried a "
+                "replacement character)")
     return ""
 
 

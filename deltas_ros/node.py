@@ -5,14 +5,15 @@ A thin adapter over the ROS-free core:
     ~/ask_memory (AskMemory), ~/reset_memory (std_srvs/Trigger) -> MemoryWorker, between chunks
     MemoryWorker -> ~/drift (DriftScore, one per chunk); 1 Hz timer -> /diagnostics
 
-Threads: a MultiThreadedExecutor runs the camera, the diagnostics timer, the questions and the
-memory services (reset, save, load) in four mutually exclusive callback groups. A service
-callback blocks its executor thread until the worker has served it, so at most two executor
-threads ever wait for the model and the camera and the timer always find a free one. (When every
-pool thread is blocked, rclpy's executor spins re-submitting the waiting callbacks and starves
-the worker of the GIL: ten concurrent questions took ~8 s instead of ~0.6 s.) Requests that
-arrive meanwhile wait in their service queue (`SERVICE_QUEUE` deep) and are served in order; the
-worker serves them one at a time anyway.
+Threads: a MultiThreadedExecutor runs the camera, the diagnostics timer, the memory services
+(reset, save, load) and the parameter services in mutually exclusive callback groups, and the
+questions in a group that runs at most `QUESTION_SLOTS` at once. A service callback blocks its
+executor thread until the worker has served it, so the pool (`EXECUTOR_THREADS`) is sized to
+leave a free thread for the camera and the timer whatever the planners do. (When every pool
+thread was blocked, rclpy's executor spun re-submitting the waiting callbacks and starved the
+worker of the GIL: ten concurrent questions took ~8 s instead of ~0.6 s.) Up to `QUESTION_SLOTS`
+questions wait in the worker, which answers them back to back before waiting chunks; further
+requests wait in their service queue (`SERVICE_QUEUE` deep), in order of arrival.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from rcl_interfaces.msg import (
     ParameterDescriptor,
     SetParametersResult,
 )
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.callback_groups import CallbackGroup, MutuallyExclusiveCallbackGroup
 from rclpy.clock import Clock, ClockType
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
@@ -61,13 +62,44 @@ from .worker import MemoryWorker
 
 ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or question
 FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
-SERVICE_QUEUE = 100  # requests held per service while the previous one is served
+SERVICE_QUEUE = 100  # requests held per service beyond those being served; more are dropped
+QUESTION_SLOTS = 4  # questions handed to the worker at once
+# Camera, diagnostics, memory services, parameter services, the question slots, and a spare.
+EXECUTOR_THREADS = QUESTION_SLOTS + 5
 NOT_READY = "not ready: the model is still loading"
 
 
 def to_time_msg(seconds: float) -> Time:
     sec = int(seconds // 1)
     return Time(sec=sec, nanosec=min(int(round((seconds - sec) * 1e9)), 999_999_999))
+
+
+class BoundedCallbackGroup(CallbackGroup):
+    """Callbacks run in parallel, but at most `limit` at once; the rest wait in their queue.
+
+    While the group is full its entities leave the executor's wait set, so nothing spins.
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.running = 0
+        self._lock = threading.Lock()
+
+    def can_execute(self, entity: Any) -> bool:
+        with self._lock:
+            return self.running < self.limit
+
+    def beginning_execution(self, entity: Any) -> bool:
+        with self._lock:
+            if self.running < self.limit:
+                self.running += 1
+                return True
+        return False
+
+    def ending_execution(self, entity: Any) -> None:
+        with self._lock:
+            self.running -= 1
 
 
 class MemoryNode(Node):
@@ -110,7 +142,8 @@ class MemoryNode(Node):
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         service_qos = QoSProfile(depth=SERVICE_QUEUE, reliability=ReliabilityPolicy.RELIABLE,
                                  durability=DurabilityPolicy.VOLATILE)
-        questions, memory_ops = MutuallyExclusiveCallbackGroup(), MutuallyExclusiveCallbackGroup()
+        questions, memory_ops = BoundedCallbackGroup(QUESTION_SLOTS), \
+            MutuallyExclusiveCallbackGroup()
         for srv_type, name, callback, group in (
             (AskMemory, "~/ask_memory", self._ask, questions),
             (Trigger, "~/reset_memory", self._reset, memory_ops),
@@ -281,7 +314,8 @@ class MemoryNode(Node):
         question = request.question
         if self.worker is None:
             response.error = NOT_READY
-        elif problem := question_problem(question, self.values["max_question_chars"]):
+        elif problem := question_problem(question, self.values["max_question_chars"],
+                                         wire=True):
             response.error = problem
         else:
             try:
@@ -454,7 +488,7 @@ def main(args: list[str] | None = None) -> int:
         rclpy.logging.get_logger("deltas_memory").fatal(f"cannot start: {error}")
         rclpy.try_shutdown()
         return 1
-    executor = MultiThreadedExecutor(num_threads=8)
+    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
     executor.add_node(node)
     try:
         executor.spin()

@@ -50,7 +50,8 @@ def select_keep(
     if total <= budget:
         return torch.arange(total, device=device)
     candidates = torch.arange(total - window - 1, sinks - 1, -1, device=device)  # newest first
-    cand_scores = scores[candidates].float().nan_to_num(-math.inf)
+    cand_scores = scores[candidates].float()
+    cand_scores = cand_scores.masked_fill(cand_scores.isnan(), -math.inf)  # ties with -inf
     best_first = torch.sort(cand_scores, descending=True, stable=True).indices
     bucket = _bucket_of(times[candidates], buckets)
     by_bucket = best_first[torch.sort(bucket[best_first], stable=True).indices]

@@ -139,6 +139,11 @@ class MemoryWorker:
 
     def _wait(self, request: _Request, timeout_s: float) -> Any:
         if not request.done.wait(timeout_s):
+            with self._lock:  # nobody waits for it any more: do not spend the model on it
+                for queue in (self._questions, self._chunks):
+                    position = next((i for i, item in enumerate(queue) if item is request), None)
+                    if position is not None:
+                        del queue[position]
             raise TimeoutError(f"no answer within {timeout_s:.1f} s (the worker is busy)")
         if request.error:
             raise RuntimeError(request.error)

@@ -23,7 +23,7 @@ from test_node import SMALL, Tester
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
 from deltas_ros import node as node_module
-from deltas_ros.node import NOT_READY, MemoryNode
+from deltas_ros.node import EXECUTOR_THREADS, NOT_READY, QUESTION_SLOTS, MemoryNode
 
 
 @contextmanager
@@ -35,7 +35,7 @@ def node_in_process(model_dir: Path, **overrides: str) -> Iterator[MemoryNode]:
         key: type_of(key)(value) for key, value in (SMALL | overrides).items()}
     node = MemoryNode(context=context,
                       parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
-    executor = MultiThreadedExecutor(num_threads=8, context=context)
+    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS, context=context)
     executor.add_node(node)
 
     def spin() -> None:
@@ -59,6 +59,11 @@ def type_of(name: str) -> type:
     from deltas_ros.params import PARAMS
 
     return type(next(p.default for p in PARAMS if p.name == name))
+
+
+def wait_ready(tester: Tester, node: MemoryNode) -> None:
+    """The model is loaded and the camera matched: frames sent before that would be lost."""
+    wait_until(lambda: node.worker is not None and tester.camera.get_subscription_count() > 0)
 
 
 def statuses(tester: Tester) -> list[tuple[int, str]]:
@@ -109,7 +114,7 @@ def test_a_chunk_that_runs_out_of_memory_turns_diagnostics_error_and_the_node_go
     tester = Tester()
     try:
         with node_in_process(tiny_model_dir, silence_warn_s="30.0") as node:
-            wait_until(lambda: node.worker is not None)
+            wait_ready(tester, node)
             calls = fail_on_call(monkeypatch, Qwen3_5VisionModel, "forward", 3)  # chunk 2
             tester.stream(5.0)
             tester.wait_for(lambda: len(tester.drift) >= 4, timeout=120)
@@ -127,3 +132,42 @@ def test_a_chunk_that_runs_out_of_memory_turns_diagnostics_error_and_the_node_go
             assert values["chunks_failed"] == "1"
     finally:
         tester.close()
+
+
+def test_questions_asked_together_are_answered_before_waiting_chunks(tiny_model_dir, ros_env):
+    """Planners' questions must not alternate with a backlog of video: each would wait a whole
+    chunk forward per question ahead of it (on a 9B model ~0.1 s each; here 1 s)."""
+    tester = Tester()
+    log: list[str] = []
+    try:
+        with node_in_process(tiny_model_dir, queue_chunks="8") as node:
+            wait_ready(tester, node)
+            memory = node.memory
+            add_chunk, ask = memory.add_chunk, memory.ask
+
+            def slow_chunk(*args, **kwargs):
+                time.sleep(1.0)  # a big model: the stream runs ahead and chunks wait
+                log.append("chunk")
+                return add_chunk(*args, **kwargs)
+
+            def logged_ask(*args, **kwargs):
+                log.append("ask")
+                return ask(*args, **kwargs)
+
+            memory.add_chunk, memory.ask = slow_chunk, logged_ask
+            tester.stream(6.0, speed=2.0)  # six chunks in 3 s
+            wait_until(lambda: node.worker.queue_depth >= 2)
+            answers = []
+            planners = [threading.Thread(target=lambda: answers.append(
+                tester.ask("what do you see?", timeout=120))) for _ in range(QUESTION_SLOTS)]
+            for planner in planners:
+                planner.start()
+            for planner in planners:
+                planner.join(120)
+            tester.wait_for(lambda: len(tester.drift) >= 6, timeout=120)
+    finally:
+        tester.close()
+    assert len(answers) == QUESTION_SLOTS and all(a.success for a in answers)
+    first = log.index("ask")
+    assert log[first:first + QUESTION_SLOTS] == ["ask"] * QUESTION_SLOTS, log
+    assert "chunk" in log[first + QUESTION_SLOTS:]  # chunks were still waiting: they come after

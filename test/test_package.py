@@ -83,7 +83,7 @@ def test_a_question_with_bytes_that_are_not_utf8_arrives_with_replacement_charac
     broken = wire.replace(b"cup", b"c\xffp")  # the same length, one invalid byte
     question = deserialize_message(broken, AskMemory.Request).question
     assert question == "where is the c\ufffdp?"
-    assert "UTF-8" in question_problem(question)
+    assert "UTF-8" in question_problem(question, wire=True)
 
 
 def test_generated_types_are_the_built_ones():

@@ -1,5 +1,6 @@
 """select_keep (Algorithm 1's selection) and the retention policies' scores."""
 
+import math
 import random
 
 import pytest
@@ -75,6 +76,15 @@ def test_spare_budget_of_a_thin_bucket_goes_to_the_best_elsewhere():
     keep = select_keep(times, scores, budget=35, sinks=0, window=10, buckets=4)
     assert keep.numel() == 35  # exactly the budget despite the thin bucket
     assert set(range(5)) <= set(keep.tolist())  # the thin bucket keeps all it has
+
+
+def test_nan_scores_rank_with_minus_infinity_as_in_the_reference():
+    times = torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=torch.float64)
+    scores = torch.tensor([-math.inf, math.nan, -math.inf, 0.0])
+    for budget in (1, 2, 3):
+        fast = select_keep(times, scores, budget, sinks=0, window=0, buckets=1).tolist()
+        assert fast == select_keep_reference(times.tolist(), scores.tolist(), budget, 0, 0, 1)
+    assert select_keep(times, scores, 2, sinks=0, window=0, buckets=1).tolist() == [2, 3]
 
 
 def test_ties_go_to_the_newer_chunk():

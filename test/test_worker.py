@@ -154,8 +154,11 @@ def test_a_question_times_out_when_the_worker_is_busy():
     assert memory.busy.wait(5)
     with pytest.raises(TimeoutError):
         worker.ask("anyone?", None, timeout_s=0.2)
+    assert worker.questions_waiting == 0  # withdrawn: nobody waits for its answer any more
     memory.gate.set()
+    assert worker.ask("still there?", None, timeout_s=30).startswith("answer")
     worker.stop()
+    assert [e for e in memory.log if e[0] == "ask"] == [("ask", "still there?")]
 
 
 def test_stop_fails_waiting_questions_and_refuses_new_work():
