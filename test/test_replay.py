@@ -55,6 +55,9 @@ try:
 except KeyboardInterrupt:
     pass
 print(json.dumps(got), flush=True)
+# Shut down before exiting: left to interpreter teardown, the process once hung after printing.
+node.destroy_node()
+rclpy.try_shutdown()
 """
 
 
