@@ -45,8 +45,9 @@ PREFIX_CHUNK = -1  # chunk index of the chat prefix's slots
 def _gather_slots(cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """cache[..., keep, :] for a (B, kv_heads, T, head_dim) K or V tensor.
 
-    Through a (B * kv_heads, T, head_dim) view: PyTorch's CPU index_select is ~7x faster on it
-    than on the 4-D tensor at the tiny model's sizes (equal when memory-bound, and on CUDA).
+    Through a (B * kv_heads, T, head_dim) view: PyTorch's CPU index_select is faster on it than
+    on the 4-D tensor at small sizes (part of the eviction speed-up `bench.engine_overhead`
+    shows); test_memory checks it against index_select on the 4-D tensor.
     """
     batch, heads, _, dim = cache.shape
     return cache.reshape(batch * heads, -1, dim).index_select(1, keep).view(batch, heads, -1, dim)

@@ -11,9 +11,9 @@ questions in a group that runs at most `QUESTION_SLOTS` at once. A service callb
 executor thread until the worker has served it, so the pool (`EXECUTOR_THREADS`) is sized to
 leave a free thread for the camera and the timer whatever the planners do. (When every pool
 thread was blocked, rclpy's executor spun re-submitting the waiting callbacks and starved the
-worker of the GIL: ten concurrent questions took ~8 s instead of ~0.6 s.) Up to `QUESTION_SLOTS`
-questions wait in the worker, which answers them back to back before waiting chunks; further
-requests wait in their service queue (`SERVICE_QUEUE` deep), in order of arrival.
+worker of the GIL; see README "Reliability".) Up to `QUESTION_SLOTS` questions wait in the
+worker, which answers them back to back before waiting chunks; further requests wait in their
+service queue (`SERVICE_QUEUE` deep), in order of arrival.
 """
 
 from __future__ import annotations
@@ -305,8 +305,7 @@ class MemoryNode(Node):
         msg.forward_ms = result.forward_ms
         msg.signal_ms = result.signal_ms
         msg.evict_ms = result.evict_ms
-        if self.context.ok():  # not after Ctrl-C: the chunk in progress then finishes unseen
-            self.drift_pub.publish(msg)
+        self.drift_pub.publish(msg)  # after Ctrl-C this raises; the worker counts it and goes on
 
     # ----------------------------------------------------------------------------- services
     def _ask(self, request: AskMemory.Request, response: AskMemory.Response):

@@ -33,7 +33,7 @@ def chunks_accounted(tester: Tester) -> int:
     """Processed + dropped in the newest diagnostics report (the caller holds tester.lock)."""
     if not tester.diagnostics:
         return 0
-    values = {kv.key: kv.value for kv in tester.diagnostics[-1].status[0].values}
+    values = status_values(tester.diagnostics[-1].status[0])
     return int(values.get("chunks_processed", 0)) + int(values.get("chunks_dropped", 0))
 
 
