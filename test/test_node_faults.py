@@ -164,10 +164,11 @@ def test_questions_asked_together_are_answered_before_waiting_chunks(tiny_model_
                 planner.start()
             for planner in planners:
                 planner.join(120)
-            tester.wait_for(lambda: len(tester.drift) >= 6, timeout=120)
+            assert len(answers) == QUESTION_SLOTS and all(a.success for a in answers)
+            first = log.index("ask")
+            # The chunks that were waiting come after the questions. (Not "all six chunks":
+            # on a busy machine the in-process camera burst can lose frames, and so chunks.)
+            wait_until(lambda: "chunk" in log[first + QUESTION_SLOTS:], timeout_s=120)
     finally:
         tester.close()
-    assert len(answers) == QUESTION_SLOTS and all(a.success for a in answers)
-    first = log.index("ask")
     assert log[first:first + QUESTION_SLOTS] == ["ask"] * QUESTION_SLOTS, log
-    assert "chunk" in log[first + QUESTION_SLOTS:]  # chunks were still waiting: they come after
