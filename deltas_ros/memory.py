@@ -36,9 +36,9 @@ from .chunks import DEFAULT_PIXEL_BUDGET, Chunk, ChunkBuilder
 from .drift import state_drift, write_strength
 from .model import LoadedModel
 from .policy import ChunkSignals, make_policy, select_keep
+from .prompt import ChatLayout
 from .rope import RotaryShift, compacted_positions
 
-VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
 PREFIX_CHUNK = -1  # chunk index of the chat prefix's slots
 
 
@@ -211,7 +211,7 @@ class StreamingMemory:
         self._rotary_shift = RotaryShift(self.model.model.language_model.rotary_emb)
         self._stop_ids = {self.tokenizer.convert_tokens_to_ids(t)
                           for t in ("<|im_end|>", "<|endoftext|>")}
-        self._prefix, self._question_template = self._split_chat_template()
+        self.layout = ChatLayout.from_tokenizer(self.tokenizer)
         self.reset()
 
     # ----------------------------------------------------------------------------- streaming
@@ -226,7 +226,7 @@ class StreamingMemory:
         self.slot_chunk = torch.empty(0, dtype=torch.long)
         self.slot_position = torch.empty(3, 0, dtype=torch.long)  # T/H/W rows of each slot
         self.chunk_stamps: dict[int, float | None] = {}
-        ids, positions = self.builder.text(self._prefix, 0)
+        ids, positions = self.builder.text(self.layout.prefix, 0)
         self._prefill(ids, positions)
         self.next_position = positions.max().item() + 1
         # The chat framing is never evicted: +inf score, stream time 0.
@@ -451,16 +451,8 @@ class StreamingMemory:
         return self._greedy(hidden, positions.max().item() + 1, limit), evidence
 
     def _question_ids(self, question: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens closing the user turn with the question, at the running position.
-
-        The question is tokenized with special tokens split, so a question cannot close the turn
-        or inject template markup of its own.
-        """
-        before, after = self._question_template.split("{question}")
-        encode = self.tokenizer.encode
-        ids = (encode(before, add_special_tokens=False)
-               + encode(question, add_special_tokens=False, split_special_tokens=True)
-               + encode(after, add_special_tokens=False))
+        """Tokens closing the user turn with the question, at the running position."""
+        ids = self.layout.question_ids(self.tokenizer, question)
         start = self.next_position
         return torch.tensor([ids]), torch.arange(start, start + len(ids)).expand(3, 1, -1)
 
@@ -659,18 +651,6 @@ class StreamingMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-    def _split_chat_template(self) -> tuple[str, str]:
-        """The stream's prefix (opening the user turn) and the question suffix template."""
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": [{"type": "video"},
-                                          {"type": "text", "text": "{question}"}]}],
-            tokenize=False, add_generation_prompt=True,
-        )
-        if rendered.count(VIDEO_MARKER) != 1 or "{question}" not in rendered:
-            raise ValueError("the tokenizer's chat template does not place a video in a user turn")
-        prefix, suffix = rendered.split(VIDEO_MARKER)
-        return prefix, suffix
 
     @contextmanager
     def _recording_write_strength(self, sink: list[torch.Tensor]) -> Iterator[None]:
