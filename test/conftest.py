@@ -39,3 +39,20 @@ def ros_env(tmp_path, monkeypatch) -> dict[str, str]:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return dict(os.environ)
+
+
+# Markers, so a newcomer can run the millisecond unit tests alone:
+#   scripts/test.sh -m "not ros and not slow"
+# CI runs everything. A test is `ros` when it talks to a ROS graph (its module uses rclpy or it
+# takes a ROS environment fixture) and `slow` when it needs a model or starts processes.
+MODEL_FIXTURES = {"tiny_model", "tiny_model_dir"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = vars(item.module) if item.module else {}
+        fixtures = set(item.fixturenames)
+        if "rclpy" in module or any(name.startswith("ros_") for name in fixtures):
+            item.add_marker(pytest.mark.ros)
+        if fixtures & MODEL_FIXTURES or "subprocess" in module:
+            item.add_marker(pytest.mark.slow)

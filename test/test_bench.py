@@ -18,6 +18,9 @@ from bench import bounded_memory, end_to_end, engine_overhead, ingest, retention
 from bench.common import bench_model
 from deltas_ros.policy import POLICY_NAMES
 
+# Each script builds and runs a model: seconds each.
+pytestmark = pytest.mark.slow
+
 TINY_STREAM = ["--pixel-budget", "4096", "--width", "160", "--height", "120"]
 
 
