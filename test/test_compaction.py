@@ -4,7 +4,7 @@ import copy
 from contextlib import contextmanager
 
 import torch
-from test_memory import SMALL, feed, frames_for, next_logits
+from test_memory import SMALL, feed, frames_for, kv, next_logits
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from deltas_ros import memory as memory_module
@@ -38,19 +38,19 @@ def test_compacted_positions_close_gaps_and_keep_vision_layouts():
 def test_compaction_without_gaps_changes_nothing(tiny_model):
     memory = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
     feed(memory, range(3))
-    keys = [memory.cache.layers[i].keys for i in memory._full]
-    positions = memory.slot_position
+    keys = kv(memory)
+    positions = memory.slots.position
     assert memory.compact_positions() == 0 and memory.stats().compactions == 0
-    assert all(torch.equal(k, memory.cache.layers[i].keys) for k, i in zip(keys, memory._full))
-    assert torch.equal(memory.slot_position, positions)
-    assert memory.slot_position.max() + 1 == memory.next_position
+    assert all(torch.equal(a, b) for a, b in zip(keys, kv(memory)))
+    assert torch.equal(memory.slots.position, positions)
+    assert memory.slots.position.max() + 1 == memory.next_position
 
 
 def test_compacted_layout_is_a_fresh_stream_of_the_kept_chunks(tiny_model, monkeypatch):
     memory = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
     feed(memory, range(6))
     dropped = torch.tensor([1, 2, 4])
-    keep = (~torch.isin(memory.slot_chunk, dropped)).nonzero().flatten()
+    keep = (~torch.isin(memory.slots.chunk, dropped)).nonzero().flatten()
     monkeypatch.setattr(memory_module, "select_keep", lambda *args: keep)
     memory.config.budget_tokens = keep.numel()
     memory._evict_if_over_budget()
@@ -59,7 +59,7 @@ def test_compacted_layout_is_a_fresh_stream_of_the_kept_chunks(tiny_model, monke
     fresh = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
     for c in (0, 3, 5):
         fresh.add_chunk(frames_for(c), [c, c + 0.5])
-    assert torch.equal(memory.slot_position, fresh.slot_position)
+    assert torch.equal(memory.slots.position, fresh.slots.position)
     assert memory.next_position == fresh.next_position and freed > 0
 
 
@@ -96,6 +96,10 @@ def raw_keys(model, full_layers: list[int]):
             hook.remove()
 
 
+def keys_of(memory: StreamingMemory, layer: int) -> torch.Tensor:
+    return memory.backend.export_tensors()[f"layers.{layer}.keys"]
+
+
 def rope(memory: StreamingMemory, raw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The model's own rotary embedding of raw keys (1, kv_heads, T, d) at positions (3, T)."""
     rotary = memory.model.model.language_model.rotary_emb
@@ -120,20 +124,20 @@ def test_compaction_re_rotates_keys_exactly(tiny_model):
     with torch.inference_mode(), raw_keys(tiny_model.model, full) as raw:
         memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
         feed(memory, range(12))
-    old_positions, old_end = memory.slot_position, memory.next_position
+    old_positions, old_end = memory.slots.position, memory.next_position
     for i in full:  # the harness itself: cached keys are RoPE(raw, original positions)
-        assert torch.equal(memory.cache.layers[i].keys, rope(memory, raw[i], old_positions))
+        assert torch.equal(keys_of(memory, i), rope(memory, raw[i], old_positions))
 
     freed = memory.compact_positions()
     assert freed > 0 and memory.next_position == old_end - freed
     assert memory.stats().compactions == 1
-    assert (memory.slot_position != old_positions).any()
-    assert memory.slot_position.max() < memory.next_position
+    assert (memory.slots.position != old_positions).any()
+    assert memory.slots.position.max() < memory.next_position
     reference = copy.deepcopy(memory)
     for i in full:
-        expected = rope(memory, raw[i], memory.slot_position)
-        torch.testing.assert_close(memory.cache.layers[i].keys, expected, rtol=1e-5, atol=1e-5)
-        reference.cache.layers[i].keys = expected
+        expected = rope(memory, raw[i], memory.slots.position)
+        torch.testing.assert_close(keys_of(memory, i), expected, rtol=1e-5, atol=1e-5)
+        reference.backend.cache.layers[i].keys = expected
     torch.testing.assert_close(next_logits(memory), next_logits(reference), rtol=1e-5, atol=1e-5)
 
 
@@ -145,8 +149,8 @@ def test_endless_stream_compacts_instead_of_failing(tiny_model):
     for c in range(50):
         results += feed(memory, range(c, c + 1))
         assert memory.next_position <= memory.max_positions - config.compact_margin
-        assert memory.slot_position.max() < memory.next_position
-        assert (memory.slot_position[0].diff() >= 0).all()  # still in stream order
+        assert memory.slots.position.max() < memory.next_position
+        assert (memory.slots.position[0].diff() >= 0).all()  # still in stream order
         assert memory.kv_tokens <= config.budget_tokens
         if c % 12 == 11:
             answer = memory.ask("What is on the table?")
@@ -154,4 +158,4 @@ def test_endless_stream_compacts_instead_of_failing(tiny_model):
     assert memory.stats().compactions >= 3
     assert sum(r.positions_freed for r in results) > 0
     assert memory.stats().retained_chunks[-1] == 49
-    assert (memory.slot_chunk == PREFIX_CHUNK).sum() > 0
+    assert (memory.slots.chunk == PREFIX_CHUNK).sum() > 0
