@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-import deltas_ros.memory as memory_module
 from deltas_ros.drift import state_drift, write_strength
+from deltas_ros.maker import config_from_file
 from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import LoadedModel, config_from_file
+from deltas_ros.model import LoadedModel
 from deltas_ros.policy import POLICY_NAMES, select_keep
 from deltas_ros.synth import synth_stream
 
@@ -128,14 +128,11 @@ def run_policies(loaded: LoadedModel, chunks: Frames,
     frames under the same machine conditions."""
     replays: list[float] = []
     runs = [PolicyRun(loaded, policy, args, replays) for policy in args.policies]
-    # The recording looks write_strength up in the memory module at call time.
-    memory_module.write_strength = timed(write_strength, replays, loaded.device)
-    try:
-        for i, (frames, times) in enumerate(chunks):
-            for run in runs:
-                run.add(frames, times, measured=i >= args.warmup)
-    finally:
-        memory_module.write_strength = write_strength
+    for run in runs:  # only write_strength's memory records; its replays are timed per instance
+        run.memory.backend.strength_fn = timed(write_strength, replays, loaded.device)
+    for i, (frames, times) in enumerate(chunks):
+        for run in runs:
+            run.add(frames, times, measured=i >= args.warmup)
     return {run.policy: run.row() for run in runs}
 
 

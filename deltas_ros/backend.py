@@ -38,7 +38,7 @@ import functools
 import importlib
 import inspect
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -54,8 +54,9 @@ from .rope import RotaryShift
 KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 # Elements of one slice of question-by-slot attention logits (64 MiB in float32).
 EVIDENCE_SLICE_ELEMENTS = 1 << 24
-_RECORDING: ContextVar[list[torch.Tensor] | None] = ContextVar("deltas_write_strength",
-                                                               default=None)
+# (sink, strength function) of the recording in progress in this thread, or None.
+_RECORDING: ContextVar[tuple[list[torch.Tensor], Callable] | None] = ContextVar(
+    "deltas_write_strength", default=None)
 
 
 @dataclass
@@ -102,10 +103,11 @@ def _gated_delta_forward(use_fla: bool) -> types.FunctionType:
         chunk, recurrent = inspect.unwrap(chunk), inspect.unwrap(recurrent)
 
     def recording_chunk(query, key, value, g, beta, initial_state=None, **kwargs):
-        sink = _RECORDING.get()
-        if sink is not None:
-            sink.append(write_strength(key, value, g, beta, initial_state,
-                                       kwargs.get("use_qk_l2norm_in_kernel", False)))
+        recording = _RECORDING.get()
+        if recording is not None:
+            sink, strength = recording
+            sink.append(strength(key, value, g, beta, initial_state,
+                                 kwargs.get("use_qk_l2norm_in_kernel", False)))
         return chunk(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
 
     scope = dict(raw.__globals__)
@@ -140,6 +142,8 @@ class Backend:
         self.max_positions: int = text.max_position_embeddings
         self.rotary_shift = rotary_shift(model)
         self.cache = DynamicCache(config=text)
+        self.fla_kernels = select_gated_delta_kernels(model, device)  # per instance; idempotent
+        self.strength_fn: Callable = write_strength  # a benchmark may wrap it to time it
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config.text_config)
@@ -266,7 +270,7 @@ class Backend:
         token (B, n) to the yielded list. It replays the recurrence token by token: only for
         policies that score by it."""
         sink: list[torch.Tensor] = []
-        token = _RECORDING.set(sink if enabled else None)
+        token = _RECORDING.set((sink, self.strength_fn) if enabled else None)
         try:
             yield sink
         finally:

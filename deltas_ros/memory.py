@@ -7,16 +7,15 @@
 After every chunk (Algorithm 1): snapshot the Gated DeltaNet states, prefill the chunk, score it
 by state drift, and when the full-attention KV cache holds more than M tokens keep the sinks, the
 recent window and per temporal bucket the best-scored tokens. Kept tokens keep their positions
-(keys are cached after rotary embedding); new tokens continue from the running position counter.
-On an endless stream that counter nears the model's max_position_embeddings after a few hours:
-then the retained slots are compacted to gap-free positions and their keys re-rotated (rope.py).
+(keys are cached rotated); near max_position_embeddings the retained slots are compacted to
+gap-free positions and their keys re-rotated (rope.py).
 
 The stream lives inside one open user turn of the chat template. A question closes that turn,
 is answered greedily, and is then rolled back: recurrent and conv states are restored from a
 snapshot (fixed size) and the KV cache is truncated to its old length (no copy of the cache).
 A chunk that fails (e.g. CUDA out of memory) is rolled back the same way. This class only
-orchestrates: the model is reached through `backend.Backend`, the per-slot bookkeeping lives in
-`slots.SlotTable`, the choice of slots in `policy`.
+orchestrates: the model is reached through `backend`, per-slot bookkeeping is `slots.SlotTable`,
+the choice of slots `policy`, questions `asking`, loaded states are checked by `state_check`.
 """
 
 from __future__ import annotations
@@ -26,21 +25,27 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import NoReturn
 
 import numpy as np
 import torch
 
-from .backend import Backend, StateSnapshot, select_gated_delta_kernels
+from .asking import accept_question, decode, evidence_chunks
+from .backend import Backend, StateSnapshot
 from .chunks import Chunk, ChunkBuilder
 from .drift import state_drift
-from .memory_config import ChunkFailed, MemoryConfig, QuestionFailed, question_problem
+from .memory_config import (
+    ChunkFailed,
+    MemoryConfig,
+    QuestionFailed,
+    question_problem,
+    raise_rolled_back,
+)
 from .memory_results import Answer, ChunkResult, MemoryState, MemoryStats
 from .model import LoadedModel
 from .policy import ChunkSignals, make_policy, select_keep
 from .prompt import ChatLayout
 from .rope import compacted_positions
-from .slots import MAX_CHUNKS, PREFIX_CHUNK, SlotTable
+from .slots import PREFIX_CHUNK, SlotTable
 from .state_check import check_state
 
 __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState", "MemoryStats",
@@ -66,7 +71,6 @@ class StreamingMemory:
         self.config = config or MemoryConfig()
         self.policy = make_policy(self.config.policy, self.config.seed)
         self.builder = ChunkBuilder.for_model(self.model, self.tokenizer, self.config.pixel_budget)
-        select_gated_delta_kernels(self.model, self.device)  # per instance; idempotent
         self.backend = Backend(self.model, self.device, loaded.dtype)
         self.max_positions = self.backend.max_positions
         self._stop_ids = {self.tokenizer.convert_tokens_to_ids(t)
@@ -101,10 +105,7 @@ class StreamingMemory:
         stamp: the chunk's last frame's header stamp (seconds), reported back as evidence.
         Bad frames raise ValueError before anything changes. A failure while ingesting (e.g.
         out of memory) rolls the memory back to its state before the chunk and raises ChunkFailed;
-        a position compaction the chunk needed first stays (it is complete on its own).
-        """
-        if self.chunks_seen >= MAX_CHUNKS:
-            raise RuntimeError(f"{MAX_CHUNKS} chunks in one stream; reset the memory")
+        a position compaction the chunk needed first stays (it is complete on its own)."""
         chunk = self.builder.build(frames, times, self.next_position)
         freed = self._make_room(chunk.next_position - self.next_position,
                                 self.config.compact_margin)
@@ -120,7 +121,7 @@ class StreamingMemory:
             traceback.clear_frames(error.__traceback__)  # drop the failed forward's tensors
         self._restore(snapshot)
         del snapshot
-        self._raise_rolled_back(ChunkFailed, f"chunk {self.chunks_seen}", failure)
+        raise_rolled_back(ChunkFailed, f"chunk {self.chunks_seen}", failure, self.device)
 
     def _ingest(
         self, chunk: Chunk, stamp: float | None, snapshot: _Snapshot, t0: float, freed: int
@@ -172,10 +173,8 @@ class StreamingMemory:
         """Give the retained slots gap-free positions; returns how many positions it freed.
 
         Each slot moves by one shift on all three rows (vision blocks keep their T/H/W layout, see
-        `rope.compacted_positions`) and its cached key is re-rotated by that shift. Values and the
-        linear-attention states hold no positions and stay. All new keys are computed before any
-        is replaced, so a failure leaves the memory as it was.
-        """
+        `rope.compacted_positions`) and its cached key is re-rotated by that shift; values and the
+        linear-attention states hold no positions. A failure leaves the memory as it was."""
         positions, end = compacted_positions(self.slots.position)
         shift = positions - self.slots.position
         moved = shift.any(0).nonzero()
@@ -189,41 +188,40 @@ class StreamingMemory:
         return freed
 
     def _make_room(self, span: int, margin: int) -> int:
-        """Compact positions if `span` more would pass max_positions - margin; raise if it still
-        would not fit under max_positions. Returns the positions freed."""
-        freed = 0
-        if self.next_position + span > self.max_positions - margin:
-            freed = self.compact_positions()
-        self._check_positions(self.next_position + span)
-        return freed
+        """Compact positions if `span` more would pass max_positions - margin; RuntimeError,
+        changing nothing, if even compacted it would not fit. Returns the positions freed."""
+        if self.next_position + span <= self.max_positions - margin:
+            return 0
+        if (needed := compacted_positions(self.slots.position)[1] + span) > self.max_positions:
+            raise RuntimeError(f"position {needed} would exceed the model's max_position_"
+                               f"embeddings ({self.max_positions}) even with compacted "
+                               f"positions; reset the memory")
+        return self.compact_positions()
 
     # ----------------------------------------------------------------------------- asking
     @torch.inference_mode()
     def ask(self, question: str, max_new_tokens: int | None = None) -> Answer:
         """Answer from what the memory holds; the memory is left bit-identical.
 
-        The request is validated first (question and answer lengths, position room): a refused
-        one raises ValueError having changed nothing. Only if the question and its answer would
-        pass max_position_embeddings are the positions compacted. A failure while answering
-        (e.g. out of memory) raises QuestionFailed. After `max_question_s` the answer so far is
-        returned with `truncated` set.
-        """
+        Validated first (lengths: ValueError, position room: RuntimeError), changing nothing;
+        positions are compacted only if question and answer would not fit otherwise. A failure
+        while answering (e.g. out of memory) raises QuestionFailed. After `max_question_s` the
+        answer so far is returned with `truncated` set."""
         start = time.perf_counter()
-        limit, length = self._accept_question(question, max_new_tokens)
-        self._make_room(length + limit, margin=0)
+        ids = self.layout.question_ids(self.tokenizer, question) if question.strip() else []
+        limit = accept_question(question, max_new_tokens, self.config, ids)
+        self._make_room(len(ids) + limit, margin=0)
         kv_before = self.kv_tokens
-        snapshot = self._snapshot()
+        snapshot, failure = self._snapshot(), None
         try:
-            generated, evidence, truncated = self._answer(question, kv_before, limit, start)
+            generated, evidence, truncated = self._answer(ids, kv_before, limit, start)
         except BaseException as error:
             failure = error
             traceback.clear_frames(error.__traceback__)
-        else:
-            failure = None
         self._restore(snapshot)
         del snapshot
         if failure is not None:
-            self._raise_rolled_back(QuestionFailed, "the question", failure)
+            raise_rolled_back(QuestionFailed, "the question", failure, self.device)
         span_start, span_end = self.slots.span()
         return Answer(
             text=self.tokenizer.decode(generated, skip_special_tokens=True).strip(),
@@ -234,55 +232,17 @@ class StreamingMemory:
             truncated=truncated,
         )
 
-    def _accept_question(self, question: str, max_new_tokens: int | None) -> tuple[int, int]:
-        """(answer token limit, question tokens), or ValueError: nothing has changed yet."""
-        cfg = self.config
-        if problem := question_problem(question):
-            raise ValueError(problem)
-        limit = max_new_tokens or cfg.max_new_tokens
-        if not 1 <= limit <= cfg.max_answer_tokens:
-            raise ValueError(f"max_new_tokens {limit} is outside [1, {cfg.max_answer_tokens}]")
-        length = len(self.layout.question_ids(self.tokenizer, question))
-        if length > cfg.max_question_tokens:
-            raise ValueError(f"the question has {length} tokens; the limit is "
-                             f"{cfg.max_question_tokens}")
-        room = self.next_position
-        if room + length + limit > self.max_positions:  # would compacting make enough room?
-            room = compacted_positions(self.slots.position)[1]
-        self._check_positions(room + length + limit)
-        return limit, length
-
-    def _answer(self, question: str, kv_before: int, limit: int,
+    def _answer(self, ids: list[int], kv_before: int, limit: int,
                 start: float) -> tuple[list[int], list[int], bool]:
-        """Prefill the question and decode greedily until end of turn, `limit` tokens or
-        max_question_s: (generated ids, evidence chunks, truncated by time)."""
-        ids = torch.tensor([self.layout.question_ids(self.tokenizer, question)])
+        """Prefill the question and decode: (generated ids, evidence chunks, truncated)."""
         position = self.next_position
-        positions = torch.arange(position, position + ids.shape[1]).expand(3, 1, -1)
+        positions = torch.arange(position, position + len(ids)).expand(3, 1, -1)
         with self.backend.attention_mass(kv_before) as mass:
-            hidden = self.backend.prefill_text(ids, positions)
-        evidence = self._evidence(mass)
-        position += ids.shape[1]
-        generated: list[int] = []
-        deadline = start + self.config.max_question_s
-        while len(generated) < limit:
-            if time.perf_counter() > deadline:
-                return generated, evidence, True
-            token = self.backend.next_token(hidden)
-            if token in self._stop_ids:
-                break
-            generated.append(token)
-            hidden = self.backend.step(token, position)
-            position += 1
-        return generated, evidence, False
-
-    def _evidence(self, mass: torch.Tensor) -> list[int]:
-        """Chunks the question's attention falls on most: mass (T,) per slot summed per chunk."""
-        held = self.slots.chunk >= 0
-        chunks, slot_of = self.slots.chunk[held].unique_consecutive(return_inverse=True)
-        per_chunk = torch.zeros(chunks.numel()).index_add_(0, slot_of, mass[held])
-        k = min(self.config.evidence_chunks, chunks.numel())
-        return chunks[per_chunk.topk(k).indices].tolist() if k else []
+            hidden = self.backend.prefill_text(torch.tensor([ids]), positions)
+        evidence = evidence_chunks(self.slots, mass, self.config.evidence_chunks)
+        generated, truncated = decode(self.backend, hidden, position + len(ids), limit,
+                                      self._stop_ids, start + self.config.max_question_s)
+        return generated, evidence, truncated
 
     # ----------------------------------------------------------------------------- rollback
     def _snapshot(self) -> _Snapshot:
@@ -293,19 +253,8 @@ class StreamingMemory:
 
     def _restore(self, snap: _Snapshot) -> None:
         self.backend.restore(snap.states)
-        self.next_position, self.chunks_seen = snap.next_position, snap.chunks_seen
-        self.slots = snap.slots
-
-    def _raise_rolled_back(
-        self, kind: type[RuntimeError], what: str, failure: BaseException
-    ) -> NoReturn:
-        """Raise after a rollback, outside the except block so the failed tensors are gone."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        if not isinstance(failure, Exception):  # KeyboardInterrupt, SystemExit: not ours to wrap
-            raise failure
-        raise kind(f"{what} failed and was rolled back: {type(failure).__name__}: {failure}"
-                   ) from failure
+        self.next_position, self.chunks_seen, self.slots = (snap.next_position, snap.chunks_seen,
+                                                            snap.slots)
 
     # ----------------------------------------------------------------------------- persistence
     def export_state(self) -> MemoryState:
@@ -324,9 +273,8 @@ class StreamingMemory:
         slots = check_state(state, self.export_state().tensors, self.config.budget_tokens,
                             self.max_positions)
         self.backend.import_tensors(state.tensors)
-        self.slots = slots
-        self.next_position, self.chunks_seen = state.next_position, state.chunks_seen
-        self.compactions = state.compactions
+        self.slots, self.next_position = slots, state.next_position
+        self.chunks_seen, self.compactions = state.chunks_seen, state.compactions
 
     # ----------------------------------------------------------------------------- accounting
     @property
@@ -343,13 +291,6 @@ class StreamingMemory:
             max_positions=self.max_positions, span_start=span_start, span_end=span_end,
             retained_chunks=self.slots.retained_chunks(), compactions=self.compactions,
         )
-
-    def _check_positions(self, needed: int) -> None:
-        if needed > self.max_positions:
-            raise RuntimeError(
-                f"position {needed} would exceed the model's max_position_embeddings "
-                f"({self.max_positions}) even with compacted positions; reset the memory"
-            )
 
     def _now(self) -> float:
         if self.device.type == "cuda":

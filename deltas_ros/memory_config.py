@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
 
 from .chunks import DEFAULT_PIXEL_BUDGET
 from .policy import make_policy
@@ -79,3 +82,15 @@ def question_problem(question: str, max_chars: int | None = None, wire: bool = F
         return ("the question contains U+FFFD: it was not valid UTF-8 when sent (or carried a "
                 "replacement character)")
     return ""
+
+
+def raise_rolled_back(kind: type[RuntimeError], what: str, failure: BaseException,
+                      device: torch.device) -> NoReturn:
+    """Raise `kind` for a failure the memory was rolled back from; call it outside the except
+    block, so the failed forward's tensors are gone (and CUDA's cache can be emptied)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not isinstance(failure, Exception):  # KeyboardInterrupt, SystemExit: not ours to wrap
+        raise failure
+    raise kind(f"{what} failed and was rolled back: {type(failure).__name__}: {failure}"
+               ) from failure
