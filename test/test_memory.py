@@ -1,6 +1,7 @@
 """The streaming memory on a real (tiny, random) Qwen3.5: eviction, prefill, isolation, bounds."""
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def kv(memory: StreamingMemory) -> list[torch.Tensor]:
 
 def states(memory: StreamingMemory) -> list[torch.Tensor]:
     return [t for name, t in memory.backend.export_tensors().items()
-            if name.endswith(("_state"))]
+            if name.endswith("_state")]
 
 
 def question_ids(memory: StreamingMemory, question: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,3 +220,65 @@ def test_config_is_validated():
         MemoryConfig(budget_tokens=100, window_tokens=200)
     with pytest.raises(ValueError, match="unknown policy"):
         MemoryConfig(policy="magic")
+
+
+# ------------------------------------------------------------------ requests refused first (13)
+def test_a_refused_question_changes_nothing(tiny_model):
+    """max_new_tokens = 2^32-1 near the position limit used to compact positions before being
+    refused; now the next chunks' drift is bit-identical to a run that was never asked."""
+    config = MemoryConfig(budget_tokens=160, window_tokens=40, compact_margin=16, **SMALL)
+    asked, never = StreamingMemory(tiny_model, config), StreamingMemory(tiny_model, config)
+    for memory in (asked, never):
+        memory.max_positions = 400
+    feed(asked, range(10))
+    feed(never, range(10))
+    asked.config = replace(config, max_question_tokens=32)
+    for question, limit, match in [("What is on the table?", 2**32 - 1, "outside \\[1, 4096\\]"),
+                                   ("x" * 40, None, "has 59 tokens; the limit is 32"),
+                                   ("   ", None, "empty")]:
+        with pytest.raises(ValueError, match=match):
+            asked.ask(question, max_new_tokens=limit)
+    asked.config = config
+    with pytest.raises(RuntimeError, match="max_position_embeddings"):  # no room even compacted
+        asked.ask("What is on the table?", max_new_tokens=4000)
+    assert asked.compactions == 0
+    later, reference = feed(asked, range(10, 16)), feed(never, range(10, 16))
+    assert [r.layer_drift for r in later] == [r.layer_drift for r in reference]
+    assert [r.positions_freed for r in later] == [r.positions_freed for r in reference]
+    for a, b in zip(states(asked) + kv(asked), states(never) + kv(never)):
+        assert torch.equal(a, b)
+
+
+def test_a_question_past_max_question_s_returns_truncated(tiny_model):
+    config = MemoryConfig(budget_tokens=160, window_tokens=40, max_new_tokens=50,
+                          max_question_s=1e-9, **SMALL)
+    memory, twin = StreamingMemory(tiny_model, config), StreamingMemory(tiny_model, config)
+    feed(memory, range(4))
+    feed(twin, range(4))
+    answer = memory.ask("What is on the table?")
+    assert answer.truncated and answer.generated_tokens == 0 and answer.evidence_times
+    twin.config.max_question_s = 600.0
+    full = twin.ask("What is on the table?", max_new_tokens=3)
+    assert not full.truncated and full.generated_tokens == 3  # the random model rarely stops
+    for a, b in zip(states(memory) + kv(memory), states(twin) + kv(twin)):
+        assert torch.equal(a, b)
+
+
+def test_question_limits_are_validated():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        MemoryConfig(max_new_tokens=5000)
+    with pytest.raises(ValueError, match="max_question_s"):
+        MemoryConfig(max_question_s=float("nan"))
+    with pytest.raises(ValueError, match="max_question_tokens"):
+        MemoryConfig(max_question_tokens=0)
+
+
+def test_evidence_does_not_scale_with_the_chunk_counter(tiny_model):
+    """A loaded stream may have a large chunk counter; evidence is sized by the chunks held."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(budget_tokens=160, window_tokens=40,
+                                                      max_new_tokens=2, **SMALL))
+    feed(memory, range(6))
+    state = memory.export_state()
+    state.chunks_seen = 2**31 - 1
+    memory.import_state(state)
+    assert len(memory.ask("What is on the table?").evidence_times) == 3
