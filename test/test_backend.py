@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from engine_helpers import TINY_FRAMES, feed, frames_for
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from test_memory import SMALL, feed
 from transformers import AutoModelForImageTextToText
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
@@ -83,7 +83,7 @@ def test_no_process_wide_rebinding(tiny_model):
     implementation = tiny_model.model.config.text_config._attn_implementation
     memory = StreamingMemory(tiny_model, MemoryConfig(policy="write_strength", budget_tokens=150,
                                                       window_tokens=40, max_new_tokens=2,
-                                                      **SMALL))
+                                                      **TINY_FRAMES))
     feed(memory, range(8))
     memory.ask("What is on the table?")
     assert {name: getattr(modeling_qwen3_5, name) for name in bound} == bound
@@ -97,7 +97,7 @@ def test_no_process_wide_rebinding(tiny_model):
 
 
 def test_write_strength_is_recorded_only_inside_the_call(tiny_model):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     chunk = memory.builder.build(*_frames(), memory.next_position)
     twin = copy.deepcopy(memory)
     with torch.inference_mode():
@@ -112,7 +112,6 @@ def test_write_strength_is_recorded_only_inside_the_call(tiny_model):
 
 
 def _frames():
-    from test_memory import frames_for
     return frames_for(0), [0.0, 0.5]
 
 
@@ -137,7 +136,8 @@ def test_evidence_mass_equals_eager_attention_weights(tiny_model_dir, tiny_model
     model.eval().requires_grad_(False)
     loaded = LoadedModel(model, tiny_model.tokenizer, tiny_model_dir, torch.device("cpu"),
                          torch.float32, False)
-    memory = StreamingMemory(loaded, MemoryConfig(budget_tokens=150, window_tokens=40, **SMALL))
+    memory = StreamingMemory(loaded, MemoryConfig(budget_tokens=150, window_tokens=40,
+                                                  **TINY_FRAMES))
     feed(memory, range(10))
     ids = memory.layout.question_ids(memory.tokenizer, "Where was the red ball? " * 5)
     start, kv_before = memory.next_position, memory.kv_tokens

@@ -4,14 +4,14 @@ import copy
 from contextlib import contextmanager
 
 import torch
-from test_memory import SMALL, feed, frames_for, kv, next_logits
+from engine_helpers import TINY_FRAMES, feed, frames_for, kv, next_logits
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from deltas_ros import memory as memory_module
 from deltas_ros.memory import PREFIX_CHUNK, MemoryConfig, StreamingMemory
 from deltas_ros.rope import compacted_positions
 
-CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, **SMALL)
+COMPACTION_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
 
 
 def text(*positions: int) -> torch.Tensor:
@@ -36,7 +36,7 @@ def test_compacted_positions_close_gaps_and_keep_vision_layouts():
 
 
 def test_compaction_without_gaps_changes_nothing(tiny_model):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     feed(memory, range(3))
     keys = kv(memory)
     positions = memory.slots.position
@@ -47,7 +47,7 @@ def test_compaction_without_gaps_changes_nothing(tiny_model):
 
 
 def test_compacted_layout_is_a_fresh_stream_of_the_kept_chunks(tiny_model, monkeypatch):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     feed(memory, range(6))
     dropped = torch.tensor([1, 2, 4])
     keep = (~torch.isin(memory.slots.chunk, dropped)).nonzero().flatten()
@@ -56,7 +56,7 @@ def test_compacted_layout_is_a_fresh_stream_of_the_kept_chunks(tiny_model, monke
     memory._evict_if_over_budget()
     freed = memory.compact_positions()
 
-    fresh = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
+    fresh = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     for c in (0, 3, 5):
         fresh.add_chunk(frames_for(c), [c, c + 0.5])
     assert torch.equal(memory.slots.position, fresh.slots.position)
@@ -122,7 +122,7 @@ def test_compaction_re_rotates_keys_exactly(tiny_model):
     full = [i for i, kind in enumerate(tiny_model.model.config.text_config.layer_types)
             if kind == "full_attention"]
     with torch.inference_mode(), raw_keys(tiny_model.model, full) as raw:
-        memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+        memory = StreamingMemory(tiny_model, MemoryConfig(**COMPACTION_CONFIG))
         feed(memory, range(12))
     old_positions, old_end = memory.slots.position, memory.next_position
     for i in full:  # the harness itself: cached keys are RoPE(raw, original positions)
@@ -142,7 +142,7 @@ def test_compaction_re_rotates_keys_exactly(tiny_model):
 
 
 def test_endless_stream_compacts_instead_of_failing(tiny_model):
-    config = MemoryConfig(compact_margin=64, **CONFIG)
+    config = MemoryConfig(compact_margin=64, **COMPACTION_CONFIG)
     memory = StreamingMemory(tiny_model, config)
     memory.max_positions = 360
     results = []

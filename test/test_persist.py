@@ -6,14 +6,13 @@ import shutil
 import stat
 
 import pytest
-import torch
+from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_memory import SMALL, feed
 
 from deltas_ros import persist
 from deltas_ros.maker import make_model, tiny_config
-from deltas_ros.memory import MemoryConfig, MemoryState, StreamingMemory
+from deltas_ros.memory import MemoryConfig, StreamingMemory
 from deltas_ros.model import load_model
 from deltas_ros.persist import (
     MemoryFileError,
@@ -23,34 +22,19 @@ from deltas_ros.persist import (
     weights_sha256,
 )
 
-CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, compact_margin=64, **SMALL)
-
-
-def frozen(memory: StreamingMemory) -> MemoryState:
-    """A copy of the memory's whole state that later changes to the memory cannot reach."""
-    state = memory.export_state()
-    state.tensors = {name: t.clone() for name, t in state.tensors.items()}
-    return state
-
-
-def assert_same_state(a: MemoryState, b: MemoryState) -> None:
-    """Bitwise equal tensors and equal counters."""
-    assert a.tensors.keys() == b.tensors.keys()
-    for name in a.tensors:
-        assert torch.equal(a.tensors[name], b.tensors[name]), name
-    assert (a.next_position, a.chunks_seen, a.compactions, a.chunk_stamps) == (
-        b.next_position, b.chunks_seen, b.compactions, b.chunk_stamps)
+PERSIST_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, compact_margin=64,
+                      **TINY_FRAMES)
 
 
 def test_loaded_memory_continues_bit_identically(tiny_model, tmp_path):
-    original = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    original = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     original.max_positions = 300  # compactions before and after the restart
     feed(original, range(14))
     original.ask("What is on the table?")
     path = save_memory(original, tmp_path / "memory.safetensors")
     assert original.compactions >= 1
 
-    restored = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    restored = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     restored.max_positions = 300
     load_memory(restored, path)
     assert_same_state(frozen(restored), frozen(original))
@@ -65,7 +49,7 @@ def test_loaded_memory_continues_bit_identically(tiny_model, tmp_path):
 
 
 def test_memory_file_is_one_private_safetensors_file(tiny_model, tmp_path):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     feed(memory, range(3))
     path = save_memory(memory, tmp_path / "sub" / "memory.safetensors", extra={"bag": "run3"})
 
@@ -86,8 +70,8 @@ def test_memory_file_is_one_private_safetensors_file(tiny_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def saved(tiny_model, tmp_path_factory):
-    """A memory file of 4 chunks saved with CONFIG."""
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    """A memory file of 4 chunks saved with PERSIST_CONFIG."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     feed(memory, range(4))
     return save_memory(memory, tmp_path_factory.mktemp("saved") / "memory.safetensors")
 
@@ -150,7 +134,7 @@ def not_a_memory_file(source, target):
         "not-a-memory-file", "budget", "policy"])
 def test_bad_files_are_refused_and_change_nothing(tiny_model, saved, tmp_path, make_bad, config,
                                                   match):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**(CONFIG | config)))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**(PERSIST_CONFIG | config)))
     feed(memory, range(10, 12))
     before = frozen(memory)
     path = make_bad(saved, tmp_path / "bad.safetensors") if make_bad else saved
@@ -169,7 +153,7 @@ def test_a_pickle_is_refused_without_running_it(tiny_model, tmp_path):
     path = tmp_path / "memory.safetensors"
     path.write_bytes(pickle.dumps(Payload()))
     with pytest.raises(MemoryFileError):
-        load_memory(StreamingMemory(tiny_model, MemoryConfig(**CONFIG)), path)
+        load_memory(StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG)), path)
     assert not flag.exists()
 
 
@@ -177,9 +161,9 @@ def test_a_file_from_another_model_is_refused(tiny_model, tmp_path):
     config = tiny_config()
     config.text_config.intermediate_size = 96
     other = StreamingMemory(load_model(make_model(tmp_path / "other", config), device="cpu"),
-                            MemoryConfig(**CONFIG))
+                            MemoryConfig(**PERSIST_CONFIG))
     path = save_memory(other, tmp_path / "memory.safetensors")
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     before = frozen(memory)
     with pytest.raises(MemoryFileError, match="another model: 'other'.*this memory runs 'tiny'"):
         load_memory(memory, path)
@@ -187,7 +171,7 @@ def test_a_file_from_another_model_is_refused(tiny_model, tmp_path):
 
 
 def test_a_failed_save_keeps_the_previous_file(tiny_model, tmp_path, monkeypatch):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     path = save_memory(memory, tmp_path / "memory.safetensors")
     previous = path.read_bytes()
     feed(memory, range(2))
@@ -259,7 +243,7 @@ def huge_declared_tensor(source, target):
         "nan-states", "huge-declared-tensor"])
 def test_doctored_files_are_refused_and_change_nothing(tiny_model, saved, tmp_path, make_bad,
                                                        match, monkeypatch):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     feed(memory, range(10, 12))
     before = frozen(memory)
     path = make_bad(saved, tmp_path / "bad.safetensors")
@@ -275,14 +259,14 @@ def test_doctored_files_are_refused_and_change_nothing(tiny_model, saved, tmp_pa
 
 
 def test_a_signed_file_needs_its_key(tiny_model, tmp_path):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     feed(memory, range(3))
     key = b"k" * 32
     signed = save_memory(memory, tmp_path / "signed.safetensors", key=key)
     unsigned = save_memory(memory, tmp_path / "unsigned.safetensors")
     forged = rewrite(signed, tmp_path / "forged.safetensors",
                      lambda m, t: m["extra"].update(by="someone"), keep_checksum=False)
-    other = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    other = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     before = frozen(other)
     for path, wrong_key, match in [(signed, b"x" * 32, "fails its HMAC"),
                                    (forged, key, "fails its HMAC"),
@@ -298,17 +282,17 @@ def test_a_copy_of_the_model_under_another_name_loads_its_memory(tiny_model, tin
                                                                   tmp_path):
     copy_dir = tmp_path / "renamed-copy"
     shutil.copytree(tiny_model_dir, copy_dir)
-    copied = StreamingMemory(load_model(copy_dir, device="cpu"), MemoryConfig(**CONFIG))
+    copied = StreamingMemory(load_model(copy_dir, device="cpu"), MemoryConfig(**PERSIST_CONFIG))
     feed(copied, range(3))
     path = save_memory(copied, tmp_path / "memory.safetensors")
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     assert load_memory(memory, path)["model"]["name"] == "renamed-copy"
     assert_same_state(frozen(memory), frozen(copied))
 
 
 def test_same_config_other_weights_is_another_model(tiny_model, tmp_path):
     other = StreamingMemory(load_model(make_model(tmp_path / "tiny", seed=1), device="cpu"),
-                            MemoryConfig(**CONFIG))
+                            MemoryConfig(**PERSIST_CONFIG))
     path = save_memory(other, tmp_path / "memory.safetensors")
     with pytest.raises(MemoryFileError, match="another model"):
-        load_memory(StreamingMemory(tiny_model, MemoryConfig(**CONFIG)), path)
+        load_memory(StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG)), path)
