@@ -98,7 +98,7 @@ def test_answer_reports_evidence_inside_the_memory_span(tiny_model):
     assert all(answer.span_start <= t <= answer.span_end for t in answer.evidence_times)
     assert all(s is not None and s >= 1000.0 for s in answer.evidence_stamps)
     assert answer.span_end == pytest.approx(14.25) and stats.span_end == answer.span_end
-    assert isinstance(answer.text, str) and answer.latency_ms > 0
+    assert answer.latency_ms > 0 and not answer.truncated
 
 
 def test_question_cannot_inject_template_tokens(tiny_model):
