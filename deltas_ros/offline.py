@@ -43,7 +43,7 @@ from .frames import (
     message_stamp,
 )
 
-if TYPE_CHECKING:  # the memory (torch, transformers) is not needed to read or plot results
+if TYPE_CHECKING:  # the memory (torch, the model) is not needed to read or plot results
     from .memory import ChunkResult, StreamingMemory
 
 log = logging.getLogger(__name__)

@@ -185,7 +185,7 @@ def load_memory(memory: StreamingMemory, path: str | Path, key: bytes | None = N
 
 def config_sha256(config) -> str:
     """sha256 of a model config's JSON with sorted keys, without the entries that do not change
-    what the model computes (transformers version, dtype, where it was loaded from)."""
+    what the model computes (library version, dtype, where it was loaded from)."""
     def strip(value):
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items() if k not in _VOLATILE_CONFIG_KEYS}

@@ -65,6 +65,6 @@ class RotaryShift:
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """(x1, x2) -> (-x2, x1) over the last dimension's halves: Qwen's rotary pairing (channel i
-    with i + d/2), pinned against transformers' own in test_backend."""
+    with i + d/2), pinned against the model's own in test_backend."""
     first, second = x.chunk(2, dim=-1)
     return torch.cat([-second, first], dim=-1)
