@@ -51,7 +51,7 @@ def evidence_chunks(slots: SlotTable, mass: torch.Tensor, count: int) -> list[in
     Sized by the chunks held, not by the chunk counter (which may be large after a long run).
     """
     held = slots.chunk >= 0
-    chunks, slot_of = slots.chunk[held].unique_consecutive(return_inverse=True)
+    chunks, slot_of = slots.chunk[held].unique(return_inverse=True)
     per_chunk = torch.zeros(chunks.numel()).index_add_(0, slot_of, mass[held])
     k = min(count, chunks.numel())
     return chunks[per_chunk.topk(k).indices].tolist() if k else []

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import time
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -148,6 +149,12 @@ class Backend:
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config.text_config)
 
+    def now(self) -> float:
+        """perf_counter after the device's queued work: what the timings of a chunk read."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     # ----------------------------------------------------------------------------- forward
     def prefill_text(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """ids (1, L), positions (3, 1, L) through the language model; returns (1, L, hidden)."""
@@ -221,6 +228,18 @@ class Backend:
         for layer, (keys, values) in zip(layers, kept):
             layer.keys, layer.values = keys, values
 
+    def fill(self, holes: torch.Tensor, movers: torch.Tensor, size: int) -> None:
+        """Move slots `movers` into slots `holes` and cut every full-attention layer to `size`
+        slots (slots.fill_plan): O(evicted) data moved, not O(kept). The movers of every layer
+        are read before anything is written, so a failure changes nothing."""
+        holes, movers = holes.to(self.device), movers.to(self.device)
+        layers = [self.cache.layers[i] for i in self.full]
+        moving = [(layer.keys.index_select(-2, movers), layer.values.index_select(-2, movers))
+                  for layer in layers]
+        for layer, (keys, values) in zip(layers, moving):
+            layer.keys = layer.keys[..., :size, :].index_copy_(-2, holes, keys)
+            layer.values = layer.values[..., :size, :].index_copy_(-2, holes, values)
+
     def shift_keys(self, first: int, shift: torch.Tensor) -> None:
         """Re-rotate the keys of slots first.. by shift (3, T) (slots before `first` stay);
         all new keys are computed before any is replaced."""
@@ -246,7 +265,8 @@ class Backend:
 
     def import_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replace the cache's tensors by checked ones of `export_tensors`' names and shapes."""
-        moved = {name: t.to(self.device) for name, t in tensors.items()
+        # Copies: the fill eviction writes into the cache in place, so it must own its tensors.
+        moved = {name: t.to(self.device, copy=True) for name, t in tensors.items()
                  if name.startswith("layers.")}
         for i in self.linear:
             self.cache.layers[i].recurrent_states[0].copy_(moved[f"layers.{i}.recurrent_state"])

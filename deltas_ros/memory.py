@@ -11,11 +11,10 @@ recent window and per temporal bucket the best-scored tokens. Kept tokens keep t
 gap-free positions and their keys re-rotated (rope.py).
 
 The stream lives inside one open user turn of the chat template. A question closes that turn,
-is answered greedily, and is then rolled back: recurrent and conv states are restored from a
-snapshot (fixed size) and the KV cache is truncated to its old length (no copy of the cache).
-A chunk that fails (e.g. CUDA out of memory) is rolled back the same way. This class only
-orchestrates: the model is reached through `backend`, per-slot bookkeeping is `slots.SlotTable`,
-the choice of slots `policy`, questions `asking`, loaded states are checked by `state_check`.
+is answered greedily, and is then rolled back: the states are restored from a fixed-size
+snapshot and the KV cache is cut to its old length; a failed chunk is rolled back the same way.
+This class only orchestrates: the model is reached through `backend`, per-slot bookkeeping is
+`slots.SlotTable`, the choice `policy`, questions `asking`, loaded states `state_check`.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from .model import LoadedModel
 from .policy import ChunkSignals, make_policy, select_keep
 from .prompt import ChatLayout
 from .rope import compacted_positions
-from .slots import PREFIX_CHUNK, SlotTable
+from .slots import PREFIX_CHUNK, SlotTable, fill_plan
 from .state_check import check_state
 
 __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState", "MemoryStats",
@@ -91,11 +90,6 @@ class StreamingMemory:
         self.slots = SlotTable().append(0.0, PREFIX_CHUNK, torch.full((ids.shape[1],), math.inf),
                                         positions)
 
-    @property
-    def chunk_stamps(self) -> dict[int, float | None]:
-        """Header stamp of each chunk still held (None where the chunk had none)."""
-        return dict(self.slots.stamps)
-
     @torch.inference_mode()
     def add_chunk(
         self, frames: Sequence[np.ndarray], times: Sequence[float], stamp: float | None = None
@@ -112,7 +106,7 @@ class StreamingMemory:
         if freed:
             chunk = replace(chunk, position_ids=chunk.position_ids - freed,
                             next_position=chunk.next_position - freed)
-        t0 = self._now()
+        t0 = self.backend.now()
         snapshot = self._snapshot()
         try:
             return self._ingest(chunk, stamp, snapshot, t0, freed)
@@ -127,12 +121,12 @@ class StreamingMemory:
         self, chunk: Chunk, stamp: float | None, snapshot: _Snapshot, t0: float, freed: int
     ) -> ChunkResult:
         """Prefill, score and evict; may leave the memory half-updated if it raises."""
-        t1 = self._now()
+        t1 = self.backend.now()
         with self.backend.recording_write_strength(self.policy.needs_write_strength) as strengths:
             self.backend.prefill_chunk(chunk)
-        t2 = self._now()
+        t2 = self.backend.now()
         drift, per_layer = state_drift(snapshot.states.recurrent, self.backend.recurrent_states())
-        t3 = self._now()
+        t3 = self.backend.now()
         index = self.chunks_seen
         keys, values = self.backend.newest(chunk.num_tokens)
         signals = ChunkSignals(
@@ -144,9 +138,9 @@ class StreamingMemory:
                                        chunk.position_ids, stamp)
         self.chunks_seen += 1
         self.next_position = chunk.next_position
-        t4 = self._now()
+        t4 = self.backend.now()
         evicted = self._evict_if_over_budget()
-        t5 = self._now()
+        t5 = self.backend.now()
         return ChunkResult(
             index=index, time=chunk.time, drift=drift, layer_drift=per_layer,
             chunk_tokens=chunk.num_tokens, kv_tokens=self.kv_tokens, evicted_tokens=evicted,
@@ -154,18 +148,27 @@ class StreamingMemory:
             evict_ms=(t5 - t4) * 1e3 if evicted else 0.0, stamp=stamp, positions_freed=freed,
         )
 
+    @torch.inference_mode()
     def _evict_if_over_budget(self) -> int:
-        """Algorithm 1, lines 6-10. Returns how many slots were evicted; a failure changes
-        nothing (the backend gathers every layer before it replaces any)."""
+        """Algorithm 1, lines 6-10, on the slots in arrival order. Returns how many slots were
+        evicted; a failure changes nothing (the backend reads every layer before it writes)."""
         total, cfg = self.kv_tokens, self.config
         if total <= cfg.budget_tokens:
             return 0
-        keep = select_keep(self.slots.time, self.slots.score, cfg.budget_tokens,
-                           cfg.sink_tokens, cfg.window_tokens, self.policy.buckets or cfg.buckets)
-        slots = self.slots.select(keep)
-        self.backend.keep(keep)
+        order = self.slots.arrival_order()
+        kept = order[select_keep(self.slots.time[order], self.slots.score[order],
+                                 cfg.budget_tokens, cfg.sink_tokens, cfg.window_tokens,
+                                 self.policy.buckets or cfg.buckets)]
+        if cfg.eviction == "gather":  # the reference: every kept slot copied, in arrival order
+            kept = kept.sort().values
+            slots = self.slots.select(kept)
+            self.backend.keep(kept)
+        else:  # O(evicted): the last kept slots move into the holes
+            holes, movers = fill_plan(kept, total)
+            slots = self.slots.fill(holes, movers, kept.numel())
+            self.backend.fill(holes, movers, kept.numel())
         self.slots = slots
-        return total - keep.numel()
+        return total - kept.numel()
 
     # ----------------------------------------------------------------------------- positions
     @torch.inference_mode()
@@ -175,7 +178,9 @@ class StreamingMemory:
         Each slot moves by one shift on all three rows (vision blocks keep their T/H/W layout, see
         `rope.compacted_positions`) and its cached key is re-rotated by that shift; values and the
         linear-attention states hold no positions. A failure leaves the memory as it was."""
-        positions, end = compacted_positions(self.slots.position)
+        order = self.slots.arrival_order()  # the layout is computed in stream order
+        arrived, end = compacted_positions(self.slots.position[:, order])
+        positions = torch.empty_like(arrived).index_copy_(1, order, arrived)
         shift = positions - self.slots.position
         moved = shift.any(0).nonzero()
         if end == self.next_position and moved.numel() == 0:
@@ -192,7 +197,8 @@ class StreamingMemory:
         changing nothing, if even compacted it would not fit. Returns the positions freed."""
         if self.next_position + span <= self.max_positions - margin:
             return 0
-        if (needed := compacted_positions(self.slots.position)[1] + span) > self.max_positions:
+        end = compacted_positions(self.slots.position[:, self.slots.arrival_order()])[1]
+        if (needed := end + span) > self.max_positions:
             raise RuntimeError(f"position {needed} would exceed the model's max_position_"
                                f"embeddings ({self.max_positions}) even with compacted "
                                f"positions; reset the memory")
@@ -291,8 +297,3 @@ class StreamingMemory:
             max_positions=self.max_positions, span_start=span_start, span_end=span_end,
             retained_chunks=self.slots.retained_chunks(), compactions=self.compactions,
         )
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()

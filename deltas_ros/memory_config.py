@@ -30,6 +30,8 @@ class MemoryConfig:
     for a longer answer, is refused before anything changes (bounded work per request).
     max_question_s: a question holds the worker at most this long; then it returns the answer
     so far, marked truncated, so the camera stream is not starved.
+    eviction: "fill" moves only the evicted slots' replacements (O(evicted) per event; the slots
+    leave arrival order); "gather" copies every kept slot in arrival order (the reference).
     """
 
     budget_tokens: int = 8192
@@ -45,6 +47,7 @@ class MemoryConfig:
     max_question_tokens: int = 2048
     max_answer_tokens: int = 4096
     max_question_s: float = 60.0
+    eviction: str = "fill"
 
     def __post_init__(self) -> None:
         if self.budget_tokens < self.sink_tokens + self.window_tokens:
@@ -63,6 +66,8 @@ class MemoryConfig:
                              f"({self.max_answer_tokens})], got {self.max_new_tokens}")
         if not (math.isfinite(self.max_question_s) and self.max_question_s > 0):
             raise ValueError(f"max_question_s must be > 0, got {self.max_question_s}")
+        if self.eviction not in ("fill", "gather"):
+            raise ValueError(f"eviction must be 'fill' or 'gather', got {self.eviction!r}")
         make_policy(self.policy, self.seed)  # raises for unknown names
 
 

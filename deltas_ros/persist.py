@@ -63,7 +63,7 @@ from .slots import MAX_CHUNKS
 from .state_check import expected_tensors
 
 FORMAT = "deltas_ros.memory"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: slots.arrival (slots may sit out of arrival order)
 METADATA_KEY = "deltas_ros.memory"
 MAX_HEADER_BYTES = 16 << 20  # a memory file's header is a few KB of JSON plus the stamps
 # MemoryConfig fields a stored stream depends on; the others (answer length, ...) may change.

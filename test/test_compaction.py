@@ -3,6 +3,7 @@
 import copy
 from contextlib import contextmanager
 
+import pytest
 import torch
 from engine_helpers import TINY_FRAMES, feed, frames_for, kv, next_logits
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
@@ -59,13 +60,13 @@ def test_compacted_layout_is_a_fresh_stream_of_the_kept_chunks(tiny_model, monke
     fresh = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     for c in (0, 3, 5):
         fresh.add_chunk(frames_for(c), [c, c + 0.5])
-    assert torch.equal(memory.slots.position, fresh.slots.position)
+    assert torch.equal(in_arrival_order(memory.slots.position, memory), fresh.slots.position)
     assert memory.next_position == fresh.next_position and freed > 0
 
 
 @contextmanager
 def raw_keys(model, full_layers: list[int]):
-    """Keys before rotary embedding, kept aligned with the cache slots of the next memory.
+    """Keys before rotary embedding, in arrival order, kept aligned with the next memory's slots.
 
     Each full-attention layer's k_norm output (the key just before RoPE) is appended per forward;
     evictions are mirrored by wrapping `select_keep`. Yields {layer index: (1, kv_heads, T, d)}.
@@ -107,7 +108,14 @@ def rope(memory: StreamingMemory, raw: torch.Tensor, positions: torch.Tensor) ->
     return apply_rotary_pos_emb(raw, raw, cos, sin)[1]
 
 
-def test_compaction_re_rotates_keys_exactly(tiny_model):
+def in_arrival_order(tensor: torch.Tensor, memory: StreamingMemory) -> torch.Tensor:
+    """A (..., T) slot row or (B, H, T, d) K/V tensor with its slots in arrival order."""
+    order = memory.slots.arrival_order()
+    return tensor[..., order] if tensor.dim() < 4 else tensor[..., order, :]
+
+
+@pytest.mark.parametrize("eviction", ["fill", "gather"])
+def test_compaction_re_rotates_keys_exactly(tiny_model, eviction):
     """Compaction changes exactly one thing: each cached key becomes RoPE(raw key, new position).
 
     Claim checked: (a) after compaction every full-attention layer's cached keys equal the model's
@@ -122,11 +130,13 @@ def test_compaction_re_rotates_keys_exactly(tiny_model):
     full = [i for i, kind in enumerate(tiny_model.model.config.text_config.layer_types)
             if kind == "full_attention"]
     with torch.inference_mode(), raw_keys(tiny_model.model, full) as raw:
-        memory = StreamingMemory(tiny_model, MemoryConfig(**COMPACTION_CONFIG))
+        memory = StreamingMemory(tiny_model, MemoryConfig(eviction=eviction,
+                                                          **COMPACTION_CONFIG))
         feed(memory, range(12))
     old_positions, old_end = memory.slots.position, memory.next_position
     for i in full:  # the harness itself: cached keys are RoPE(raw, original positions)
-        assert torch.equal(keys_of(memory, i), rope(memory, raw[i], old_positions))
+        assert torch.equal(in_arrival_order(keys_of(memory, i), memory),
+                           rope(memory, raw[i], in_arrival_order(old_positions, memory)))
 
     freed = memory.compact_positions()
     assert freed > 0 and memory.next_position == old_end - freed
@@ -134,10 +144,13 @@ def test_compaction_re_rotates_keys_exactly(tiny_model):
     assert (memory.slots.position != old_positions).any()
     assert memory.slots.position.max() < memory.next_position
     reference = copy.deepcopy(memory)
+    order = memory.slots.arrival_order()
     for i in full:
-        expected = rope(memory, raw[i], memory.slots.position)
-        torch.testing.assert_close(keys_of(memory, i), expected, rtol=1e-5, atol=1e-5)
-        reference.backend.cache.layers[i].keys = expected
+        expected = rope(memory, raw[i], memory.slots.position[:, order])
+        torch.testing.assert_close(keys_of(memory, i)[..., order, :], expected, rtol=1e-5,
+                                   atol=1e-5)
+        reference.backend.cache.layers[i].keys = torch.empty_like(expected).index_copy_(
+            -2, order, expected)
     torch.testing.assert_close(next_logits(memory), next_logits(reference), rtol=1e-5, atol=1e-5)
 
 
@@ -150,7 +163,7 @@ def test_endless_stream_compacts_instead_of_failing(tiny_model):
         results += feed(memory, range(c, c + 1))
         assert memory.next_position <= memory.max_positions - config.compact_margin
         assert memory.slots.position.max() < memory.next_position
-        assert (memory.slots.position[0].diff() >= 0).all()  # still in stream order
+        assert (in_arrival_order(memory.slots.position, memory)[0].diff() >= 0).all()
         assert memory.kv_tokens <= config.budget_tokens
         if c % 12 == 11:
             answer = memory.ask("What is on the table?")

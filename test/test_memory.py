@@ -83,7 +83,7 @@ def test_asking_leaves_the_memory_bit_identical(tiny_model):
     for name, tensor in asked.slots.export().items():
         assert torch.equal(tensor, never.slots.export()[name]), name
     assert asked.next_position == never.next_position
-    assert asked.chunk_stamps == never.chunk_stamps
+    assert asked.slots.stamps == never.slots.stamps
     assert answer.generated_tokens <= 5
 
 

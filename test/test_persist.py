@@ -105,7 +105,7 @@ def flipped_byte(source, target):
 
 
 def other_version(source, target):
-    return rewrite(source, target, lambda m, t: m.update(format_version=2))
+    return rewrite(source, target, lambda m, t: m.update(format_version=1))
 
 
 def moved_position(source, target):
@@ -125,7 +125,7 @@ def not_a_memory_file(source, target):
     (truncated, {}, "truncated"),
     (flipped_byte, {}, "checksum"),
     (moved_position, {}, "checksum"),
-    (other_version, {}, "format version 2"),
+    (other_version, {}, "format version 1; this deltas_ros reads version 2"),
     (missing_tensor, {}, "missing \\['slots.score'\\]"),
     (not_a_memory_file, {}, "not a deltas_ros memory file"),
     (None, {"budget_tokens": 200}, "budget_tokens 160 \\(this memory: 200\\)"),
