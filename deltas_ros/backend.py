@@ -232,13 +232,11 @@ class Backend:
         """Move slots `movers` into slots `holes` and cut every full-attention layer to `size`
         slots (slots.fill_plan): O(evicted) data moved, not O(kept). The movers of every layer
         are read before anything is written, so a failure changes nothing."""
-        holes, movers = holes.to(self.device), movers.to(self.device)
         layers = [self.cache.layers[i] for i in self.full]
-        moving = [(layer.keys.index_select(-2, movers), layer.values.index_select(-2, movers))
-                  for layer in layers]
-        for layer, (keys, values) in zip(layers, moving):
-            layer.keys = layer.keys[..., :size, :].index_copy_(-2, holes, keys)
-            layer.values = layer.values[..., :size, :].index_copy_(-2, holes, values)
+        filled = fill_slots([t for layer in layers for t in (layer.keys, layer.values)],
+                            holes.to(self.device), movers.to(self.device), size)
+        for layer, keys, values in zip(layers, filled[0::2], filled[1::2]):
+            layer.keys, layer.values = keys, values
 
     def shift_keys(self, first: int, shift: torch.Tensor) -> None:
         """Re-rotate the keys of slots first.. by shift (3, T) (slots before `first` stay);
@@ -366,6 +364,16 @@ def attention_mass_reference(queries: torch.Tensor, keys: torch.Tensor, scaling:
     logits = logits.masked_fill(~causal.to(logits.device), float("-inf"))
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
     return weights[0, :, :, :slots].float().sum((0, 1))
+
+
+def fill_slots(caches: list[torch.Tensor], holes: torch.Tensor, movers: torch.Tensor,
+               size: int) -> list[torch.Tensor]:
+    """Each (B, kv_heads, T, head_dim) tensor cut to `size` slots with slots `movers` copied
+    into slots `holes` (in place: the results are views of the inputs). Every mover is read
+    before anything is written."""
+    moving = [cache.index_select(-2, movers) for cache in caches]
+    return [cache[..., :size, :].index_copy_(-2, holes, rows)
+            for cache, rows in zip(caches, moving)]
 
 
 def gather_slots(cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
