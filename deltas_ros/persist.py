@@ -150,9 +150,12 @@ def load_memory(memory: StreamingMemory, path: str | Path, key: bytes | None = N
     header = _read_header(path)
     metadata = _parse_metadata(header.pop("__metadata__", None), path)
     _check_compatible(metadata, memory, path)
-    _check_declared(header, metadata, memory, path)
+    shapes = _check_declared(header, metadata, memory, path)
     try:
         with safe_open(path, framework="pt", device="cpu") as file:
+            # The file may have been replaced since its header was read: sizes again, unread.
+            if {name: file.get_slice(name).get_shape() for name in file.keys()} != shapes:
+                raise MemoryFileError(f"{path} changed while it was being loaded")
             tensors = {name: file.get_tensor(name) for name in file.keys()}
     except SafetensorError as error:
         raise MemoryFileError(f"{path} is truncated or not a safetensors file: {error}") from error
@@ -242,9 +245,11 @@ def _read_header(path: Path) -> dict:
     return header
 
 
-def _check_declared(header: dict, metadata: dict, memory: StreamingMemory, path: Path) -> None:
+def _check_declared(header: dict, metadata: dict, memory: StreamingMemory,
+                    path: Path) -> dict[str, list[int]]:
     """Every tensor the header declares is one this memory has, of its dtype and shape, with at
-    most budget_tokens slots and its bytes inside the file; checked before any data is read."""
+    most budget_tokens slots and its bytes inside the file; checked before any data is read.
+    Returns the checked shapes by name."""
     data_bytes = header.pop("__data_bytes__")
     declared = header.get("slots.time", {}).get("shape") if isinstance(
         header.get("slots.time"), dict) else None
@@ -274,6 +279,7 @@ def _check_declared(header: dict, metadata: dict, memory: StreamingMemory, path:
         if not 0 <= offsets[0] <= data_bytes - size:
             raise MemoryFileError(f"{path} is truncated or damaged: {name}'s bytes lie outside "
                                   f"the file")
+    return {name: list(shape) for name, (_, shape) in expected.items()}
 
 
 def _parse_metadata(text: Any, path: Path) -> dict:
