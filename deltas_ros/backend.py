@@ -26,7 +26,9 @@ that moves one fails naming it):
         .recurrent_states[0] .conv_states[0]
 
 No process-wide patching: the gated delta kernels are chosen per model instance (each Gated
-DeltaNet module gets its own forward, the same code with its own kernel bindings), and the write
+DeltaNet module gets its own forward, the same code with its own kernel bindings; without the
+accelerate-offload and renamed-keyword decorators of the original, which a model on one device
+does not use), and the write
 strength is recorded per call (a context variable the instance's kernel reads). Evidence attention
 is computed from the question's own queries and the cached keys in bounded slices, so the model
 keeps its fast attention and no config switch is needed.
