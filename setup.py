@@ -26,7 +26,7 @@ setup(
         "numpy",
         "torch",
         "torchvision",
-        "transformers>=5.24",
+        "transformers>=5.24,<5.25",  # backend.py uses private names; see test_backend
         "safetensors",
         "opencv-python-headless",
         "rosbags",

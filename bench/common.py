@@ -25,16 +25,9 @@ import torch
 import transformers
 from transformers import Qwen3_5ForConditionalGeneration
 
-from deltas_ros.model import (
-    LoadedModel,
-    config_from_file,
-    default_dtype,
-    init_decay_like_trained,
-    load_model,
-    make_tokenizer,
-    select_gated_delta_kernels,
-    tiny_config,
-)
+from deltas_ros.backend import select_gated_delta_kernels
+from deltas_ros.maker import config_from_file, init_decay_like_trained, make_tokenizer, tiny_config
+from deltas_ros.model import LoadedModel, default_dtype, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / "results"
@@ -102,12 +95,12 @@ def bench_model(args: argparse.Namespace) -> LoadedModel:
     device = torch.device(args.device)
     dtype = default_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
     config = config_from_file(args.config) if args.config else tiny_config()
-    fla = select_gated_delta_kernels(device)
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = Qwen3_5ForConditionalGeneration(config).to(dtype)
     init_decay_like_trained(model, args.seed)
     model.eval().requires_grad_(False)
+    fla = select_gated_delta_kernels(model, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

@@ -33,7 +33,7 @@ from deltas_ros.msg import DriftScore
 from deltas_ros.srv import AskMemory
 from rclpy.executors import SingleThreadedExecutor
 
-from deltas_ros.model import make_model
+from deltas_ros.maker import make_model
 from deltas_ros.node import NOT_READY
 from deltas_ros.synth import NS_PER_S
 

@@ -41,7 +41,7 @@ from sensor_msgs.msg import CompressedImage, Image
 
 from deltas_ros.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
 from deltas_ros.frames import FrameGate, FrameSampler, decode_message, message_stamp
-from deltas_ros.model import make_tokenizer, tiny_config
+from deltas_ros.maker import make_tokenizer, tiny_config
 from deltas_ros.node import EXECUTOR_THREADS, FRAME_HISTORY
 
 from .camera_pub import frame_bank

@@ -15,9 +15,8 @@ from pathlib import Path
 from rosbags.rosbag2 import Reader, ReaderError
 from rosbags.typesys import Stores, get_typestore
 
-from .synth import EVENTS_FILE
-
 IMAGE_TYPES = ("sensor_msgs/msg/Image", "sensor_msgs/msg/CompressedImage")
+EVENTS_FILE = "events.json"  # known events beside a bag (synth.py writes it)
 
 
 @dataclass

@@ -43,7 +43,7 @@ from .frames import (
     message_stamp,
 )
 
-if TYPE_CHECKING:  # the memory (torch, transformers) is not needed to read or plot results
+if TYPE_CHECKING:  # the memory (torch, the model) is not needed to read or plot results
     from .memory import ChunkResult, StreamingMemory
 
 log = logging.getLogger(__name__)
@@ -256,9 +256,8 @@ def _note_retained(memory: StreamingMemory, summary: RunSummary) -> None:
     summary.kv_tokens = stats.kv_tokens
     summary.retained_chunks = stats.retained_chunks
     for index in stats.retained_chunks:
-        slots = memory.slot_chunk == index
-        summary.retained_times.append(memory.slot_time[slots][0].item())
-        summary.retained_tokens.append(int(slots.sum()))
+        summary.retained_times.append(memory.slots.chunk_time(index))
+        summary.retained_tokens.append(memory.slots.chunk_tokens(index))
 
 
 @dataclass

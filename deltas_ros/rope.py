@@ -10,7 +10,6 @@ chosen by `mrope_section`), so each frequency pair turns by its own row's shift;
 from __future__ import annotations
 
 import torch
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, rotate_half
 
 
 def compacted_positions(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -39,17 +38,17 @@ def compacted_positions(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
 class RotaryShift:
     """Re-rotates keys cached by a Qwen3.5 attention layer as if computed at shifted positions.
 
+    rows: (rotary_dim,) which position row (0 T, 1 H, 2 W) each rotary channel reads, laid out
+    like the model's cos/sin; inv_freq: (rotary_dim // 2,) the model's inverse frequencies.
+    `backend.rotary_shift` reads both from a loaded model.
     Angles are computed in float64 and applied in float32, so the only error beyond the original
     rotation's own float32 rounding is one rounding to the cache dtype (bf16 on CUDA).
     """
 
-    def __init__(self, rotary: Qwen3_5TextRotaryEmbedding) -> None:
-        half = rotary.inv_freq.numel()
-        # Which position row each rotary channel reads, laid out like the model's cos/sin.
-        rows = rotary.recomposition_frequencies(torch.arange(3.0)[:, None].repeat(1, half))
-        self.rows = rows.long().cpu()  # (rotary_dim,)
-        self.inv_freq = torch.cat([rotary.inv_freq, rotary.inv_freq]).double().cpu()
-        self.rotary_dim = 2 * half
+    def __init__(self, rows: torch.Tensor, inv_freq: torch.Tensor) -> None:
+        self.rows = rows.long().cpu()
+        self.inv_freq = torch.cat([inv_freq, inv_freq]).double().cpu()
+        self.rotary_dim = self.rows.numel()
 
     def __call__(self, keys: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """keys (B, kv_heads, T, head_dim) rotated at positions p -> the same keys at p + shift.
@@ -62,3 +61,10 @@ class RotaryShift:
         rotary = keys[..., :self.rotary_dim].float()
         rotated = rotary * cos + rotate_half(rotary) * sin
         return torch.cat([rotated.to(keys.dtype), keys[..., self.rotary_dim:]], dim=-1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dimension's halves: Qwen's rotary pairing (channel i
+    with i + d/2), pinned against the model's own in test_backend."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)

@@ -21,8 +21,9 @@ import numpy as np
 from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
 
+from .bag import EVENTS_FILE
+
 NS_PER_S = 1_000_000_000
-EVENTS_FILE = "events.json"
 
 # Saturated colours that stand out from the muted backgrounds, by name for the event labels.
 COLOURS = {

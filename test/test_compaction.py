@@ -3,15 +3,16 @@
 import copy
 from contextlib import contextmanager
 
+import pytest
 import torch
-from test_memory import SMALL, feed, frames_for, next_logits
+from engine_helpers import TINY_FRAMES, feed, frames_for, kv, next_logits
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from deltas_ros import memory as memory_module
 from deltas_ros.memory import PREFIX_CHUNK, MemoryConfig, StreamingMemory
 from deltas_ros.rope import compacted_positions
 
-CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, **SMALL)
+COMPACTION_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
 
 
 def text(*positions: int) -> torch.Tensor:
@@ -36,36 +37,36 @@ def test_compacted_positions_close_gaps_and_keep_vision_layouts():
 
 
 def test_compaction_without_gaps_changes_nothing(tiny_model):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     feed(memory, range(3))
-    keys = [memory.cache.layers[i].keys for i in memory._full]
-    positions = memory.slot_position
+    keys = kv(memory)
+    positions = memory.slots.position
     assert memory.compact_positions() == 0 and memory.stats().compactions == 0
-    assert all(torch.equal(k, memory.cache.layers[i].keys) for k, i in zip(keys, memory._full))
-    assert torch.equal(memory.slot_position, positions)
-    assert memory.slot_position.max() + 1 == memory.next_position
+    assert all(torch.equal(a, b) for a, b in zip(keys, kv(memory)))
+    assert torch.equal(memory.slots.position, positions)
+    assert memory.slots.position.max() + 1 == memory.next_position
 
 
 def test_compacted_layout_is_a_fresh_stream_of_the_kept_chunks(tiny_model, monkeypatch):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     feed(memory, range(6))
     dropped = torch.tensor([1, 2, 4])
-    keep = (~torch.isin(memory.slot_chunk, dropped)).nonzero().flatten()
+    keep = (~torch.isin(memory.slots.chunk, dropped)).nonzero().flatten()
     monkeypatch.setattr(memory_module, "select_keep", lambda *args: keep)
     memory.config.budget_tokens = keep.numel()
     memory._evict_if_over_budget()
     freed = memory.compact_positions()
 
-    fresh = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
+    fresh = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     for c in (0, 3, 5):
         fresh.add_chunk(frames_for(c), [c, c + 0.5])
-    assert torch.equal(memory.slot_position, fresh.slot_position)
+    assert torch.equal(in_arrival_order(memory.slots.position, memory), fresh.slots.position)
     assert memory.next_position == fresh.next_position and freed > 0
 
 
 @contextmanager
 def raw_keys(model, full_layers: list[int]):
-    """Keys before rotary embedding, kept aligned with the cache slots of the next memory.
+    """Keys before rotary embedding, in arrival order, kept aligned with the next memory's slots.
 
     Each full-attention layer's k_norm output (the key just before RoPE) is appended per forward;
     evictions are mirrored by wrapping `select_keep`. Yields {layer index: (1, kv_heads, T, d)}.
@@ -96,6 +97,10 @@ def raw_keys(model, full_layers: list[int]):
             hook.remove()
 
 
+def keys_of(memory: StreamingMemory, layer: int) -> torch.Tensor:
+    return memory.backend.export_tensors()[f"layers.{layer}.keys"]
+
+
 def rope(memory: StreamingMemory, raw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The model's own rotary embedding of raw keys (1, kv_heads, T, d) at positions (3, T)."""
     rotary = memory.model.model.language_model.rotary_emb
@@ -103,7 +108,14 @@ def rope(memory: StreamingMemory, raw: torch.Tensor, positions: torch.Tensor) ->
     return apply_rotary_pos_emb(raw, raw, cos, sin)[1]
 
 
-def test_compaction_re_rotates_keys_exactly(tiny_model):
+def in_arrival_order(tensor: torch.Tensor, memory: StreamingMemory) -> torch.Tensor:
+    """A (..., T) slot row or (B, H, T, d) K/V tensor with its slots in arrival order."""
+    order = memory.slots.arrival_order()
+    return tensor[..., order] if tensor.dim() < 4 else tensor[..., order, :]
+
+
+@pytest.mark.parametrize("eviction", ["fill", "gather"])
+def test_compaction_re_rotates_keys_exactly(tiny_model, eviction):
     """Compaction changes exactly one thing: each cached key becomes RoPE(raw key, new position).
 
     Claim checked: (a) after compaction every full-attention layer's cached keys equal the model's
@@ -118,35 +130,40 @@ def test_compaction_re_rotates_keys_exactly(tiny_model):
     full = [i for i, kind in enumerate(tiny_model.model.config.text_config.layer_types)
             if kind == "full_attention"]
     with torch.inference_mode(), raw_keys(tiny_model.model, full) as raw:
-        memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+        memory = StreamingMemory(tiny_model, MemoryConfig(eviction=eviction,
+                                                          **COMPACTION_CONFIG))
         feed(memory, range(12))
-    old_positions, old_end = memory.slot_position, memory.next_position
+    old_positions, old_end = memory.slots.position, memory.next_position
     for i in full:  # the harness itself: cached keys are RoPE(raw, original positions)
-        assert torch.equal(memory.cache.layers[i].keys, rope(memory, raw[i], old_positions))
+        assert torch.equal(in_arrival_order(keys_of(memory, i), memory),
+                           rope(memory, raw[i], in_arrival_order(old_positions, memory)))
 
     freed = memory.compact_positions()
     assert freed > 0 and memory.next_position == old_end - freed
     assert memory.stats().compactions == 1
-    assert (memory.slot_position != old_positions).any()
-    assert memory.slot_position.max() < memory.next_position
+    assert (memory.slots.position != old_positions).any()
+    assert memory.slots.position.max() < memory.next_position
     reference = copy.deepcopy(memory)
+    order = memory.slots.arrival_order()
     for i in full:
-        expected = rope(memory, raw[i], memory.slot_position)
-        torch.testing.assert_close(memory.cache.layers[i].keys, expected, rtol=1e-5, atol=1e-5)
-        reference.cache.layers[i].keys = expected
+        expected = rope(memory, raw[i], memory.slots.position[:, order])
+        torch.testing.assert_close(keys_of(memory, i)[..., order, :], expected, rtol=1e-5,
+                                   atol=1e-5)
+        reference.backend.cache.layers[i].keys = torch.empty_like(expected).index_copy_(
+            -2, order, expected)
     torch.testing.assert_close(next_logits(memory), next_logits(reference), rtol=1e-5, atol=1e-5)
 
 
 def test_endless_stream_compacts_instead_of_failing(tiny_model):
-    config = MemoryConfig(compact_margin=64, **CONFIG)
+    config = MemoryConfig(compact_margin=64, **COMPACTION_CONFIG)
     memory = StreamingMemory(tiny_model, config)
     memory.max_positions = 360
     results = []
     for c in range(50):
         results += feed(memory, range(c, c + 1))
         assert memory.next_position <= memory.max_positions - config.compact_margin
-        assert memory.slot_position.max() < memory.next_position
-        assert (memory.slot_position[0].diff() >= 0).all()  # still in stream order
+        assert memory.slots.position.max() < memory.next_position
+        assert (in_arrival_order(memory.slots.position, memory)[0].diff() >= 0).all()
         assert memory.kv_tokens <= config.budget_tokens
         if c % 12 == 11:
             answer = memory.ask("What is on the table?")
@@ -154,4 +171,4 @@ def test_endless_stream_compacts_instead_of_failing(tiny_model):
     assert memory.stats().compactions >= 3
     assert sum(r.positions_freed for r in results) > 0
     assert memory.stats().retained_chunks[-1] == 49
-    assert (memory.slot_chunk == PREFIX_CHUNK).sum() > 0
+    assert (memory.slots.chunk == PREFIX_CHUNK).sum() > 0

@@ -5,17 +5,16 @@ import copy
 import numpy as np
 import pytest
 import torch
+from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from test_memory import SMALL, feed
-from test_persist import assert_same_state, frozen
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5VisionModel
 
 from deltas_ros import memory as memory_module
 from deltas_ros.chunks import ChunkBuilder
 from deltas_ros.memory import ChunkFailed, MemoryConfig, QuestionFailed, StreamingMemory
 
-CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=4, **SMALL)
+FAULT_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=4, **TINY_FRAMES)
 LAST_ATTENTION = 7  # the tiny model's second full-attention layer
 
 
@@ -49,7 +48,7 @@ def fail_on_call(monkeypatch, owner, name: str, n: int, only=any_call) -> list[i
     (memory_module, "select_keep", any_call),  # after the whole prefill and scoring
 ], ids=["vision", "attention", "eviction"])
 def test_failed_chunk_rolls_back_bit_identically(tiny_model, monkeypatch, owner, name, only):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**FAULT_CONFIG))
     feed(memory, range(8))  # full: the next chunk evicts
     before, twin = frozen(memory), copy.deepcopy(memory)
     calls = fail_on_call(monkeypatch, owner, name, 1, only)
@@ -66,7 +65,7 @@ def test_failed_chunk_rolls_back_bit_identically(tiny_model, monkeypatch, owner,
 
 
 def test_failed_answer_leaves_the_memory_bit_identical(tiny_model, monkeypatch):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**FAULT_CONFIG))
     feed(memory, range(6))
     before, twin = frozen(memory), copy.deepcopy(memory)
     calls = fail_on_call(monkeypatch, Qwen3_5Attention, "forward", 2, last_attention_layer)

@@ -2,47 +2,39 @@
 
 import json
 import pickle
+import shutil
 import stat
 
 import pytest
-import torch
+from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_memory import SMALL, feed
 
 from deltas_ros import persist
-from deltas_ros.memory import MemoryConfig, MemoryState, StreamingMemory
-from deltas_ros.model import load_model, make_model, tiny_config
-from deltas_ros.persist import MemoryFileError, config_sha256, load_memory, save_memory
+from deltas_ros.maker import make_model, tiny_config
+from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.model import load_model
+from deltas_ros.persist import (
+    MemoryFileError,
+    config_sha256,
+    load_memory,
+    save_memory,
+    weights_sha256,
+)
 
-CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, compact_margin=64, **SMALL)
-
-
-def frozen(memory: StreamingMemory) -> MemoryState:
-    """A copy of the memory's whole state that later changes to the memory cannot reach."""
-    state = memory.export_state()
-    state.tensors = {name: t.clone() for name, t in state.tensors.items()}
-    return state
-
-
-def assert_same_state(a: MemoryState, b: MemoryState) -> None:
-    """Bitwise equal tensors and equal counters."""
-    assert a.tensors.keys() == b.tensors.keys()
-    for name in a.tensors:
-        assert torch.equal(a.tensors[name], b.tensors[name]), name
-    assert (a.next_position, a.chunks_seen, a.compactions, a.chunk_stamps) == (
-        b.next_position, b.chunks_seen, b.compactions, b.chunk_stamps)
+PERSIST_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, compact_margin=64,
+                      **TINY_FRAMES)
 
 
 def test_loaded_memory_continues_bit_identically(tiny_model, tmp_path):
-    original = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    original = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     original.max_positions = 300  # compactions before and after the restart
     feed(original, range(14))
     original.ask("What is on the table?")
     path = save_memory(original, tmp_path / "memory.safetensors")
     assert original.compactions >= 1
 
-    restored = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    restored = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     restored.max_positions = 300
     load_memory(restored, path)
     assert_same_state(frozen(restored), frozen(original))
@@ -57,7 +49,7 @@ def test_loaded_memory_continues_bit_identically(tiny_model, tmp_path):
 
 
 def test_memory_file_is_one_private_safetensors_file(tiny_model, tmp_path):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     feed(memory, range(3))
     path = save_memory(memory, tmp_path / "sub" / "memory.safetensors", extra={"bag": "run3"})
 
@@ -68,7 +60,8 @@ def test_memory_file_is_one_private_safetensors_file(tiny_model, tmp_path):
         assert set(file.keys()) == set(memory.export_state().tensors)
     assert metadata["format_version"] == persist.FORMAT_VERSION
     assert metadata["model"] == {"name": "tiny",
-                                 "config_sha256": config_sha256(tiny_model.model.config)}
+                                 "config_sha256": config_sha256(tiny_model.model.config),
+                                 "weights_sha256": weights_sha256(tiny_model.model)}
     assert metadata["config"]["budget_tokens"] == 160 and metadata["config"]["policy"] == "deltas"
     assert metadata["stream"]["chunks_seen"] == 3 and metadata["stream"]["last_stamp"] == 1002.0
     assert metadata["extra"] == {"bag": "run3"} and len(metadata["sha256"]) == 64
@@ -77,8 +70,8 @@ def test_memory_file_is_one_private_safetensors_file(tiny_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def saved(tiny_model, tmp_path_factory):
-    """A memory file of 4 chunks saved with CONFIG."""
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    """A memory file of 4 chunks saved with PERSIST_CONFIG."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     feed(memory, range(4))
     return save_memory(memory, tmp_path_factory.mktemp("saved") / "memory.safetensors")
 
@@ -89,9 +82,12 @@ def rewrite(source, target, change, keep_checksum=True):
         metadata = json.loads(file.metadata()[persist.METADATA_KEY])
         tensors = {name: file.get_tensor(name) for name in file.keys()}
     change(metadata, tensors)
-    if not keep_checksum:
+    if not keep_checksum:  # as anyone who can write the file can; an HMAC stays as it was
         metadata.pop("sha256")
+        signature = metadata.pop("hmac", None)
         metadata["sha256"] = persist._checksum(metadata, tensors)
+        if signature is not None:
+            metadata["hmac"] = signature
     save_file(tensors, target, metadata={persist.METADATA_KEY: json.dumps(metadata)})
     return target
 
@@ -109,7 +105,7 @@ def flipped_byte(source, target):
 
 
 def other_version(source, target):
-    return rewrite(source, target, lambda m, t: m.update(format_version=2))
+    return rewrite(source, target, lambda m, t: m.update(format_version=1))
 
 
 def moved_position(source, target):
@@ -129,7 +125,7 @@ def not_a_memory_file(source, target):
     (truncated, {}, "truncated"),
     (flipped_byte, {}, "checksum"),
     (moved_position, {}, "checksum"),
-    (other_version, {}, "format version 2"),
+    (other_version, {}, "format version 1; this deltas_ros reads version 2"),
     (missing_tensor, {}, "missing \\['slots.score'\\]"),
     (not_a_memory_file, {}, "not a deltas_ros memory file"),
     (None, {"budget_tokens": 200}, "budget_tokens 160 \\(this memory: 200\\)"),
@@ -138,7 +134,7 @@ def not_a_memory_file(source, target):
         "not-a-memory-file", "budget", "policy"])
 def test_bad_files_are_refused_and_change_nothing(tiny_model, saved, tmp_path, make_bad, config,
                                                   match):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**(CONFIG | config)))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**(PERSIST_CONFIG | config)))
     feed(memory, range(10, 12))
     before = frozen(memory)
     path = make_bad(saved, tmp_path / "bad.safetensors") if make_bad else saved
@@ -157,7 +153,7 @@ def test_a_pickle_is_refused_without_running_it(tiny_model, tmp_path):
     path = tmp_path / "memory.safetensors"
     path.write_bytes(pickle.dumps(Payload()))
     with pytest.raises(MemoryFileError):
-        load_memory(StreamingMemory(tiny_model, MemoryConfig(**CONFIG)), path)
+        load_memory(StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG)), path)
     assert not flag.exists()
 
 
@@ -165,9 +161,9 @@ def test_a_file_from_another_model_is_refused(tiny_model, tmp_path):
     config = tiny_config()
     config.text_config.intermediate_size = 96
     other = StreamingMemory(load_model(make_model(tmp_path / "other", config), device="cpu"),
-                            MemoryConfig(**CONFIG))
+                            MemoryConfig(**PERSIST_CONFIG))
     path = save_memory(other, tmp_path / "memory.safetensors")
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     before = frozen(memory)
     with pytest.raises(MemoryFileError, match="another model: 'other'.*this memory runs 'tiny'"):
         load_memory(memory, path)
@@ -175,7 +171,7 @@ def test_a_file_from_another_model_is_refused(tiny_model, tmp_path):
 
 
 def test_a_failed_save_keeps_the_previous_file(tiny_model, tmp_path, monkeypatch):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**CONFIG))
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
     path = save_memory(memory, tmp_path / "memory.safetensors")
     previous = path.read_bytes()
     feed(memory, range(2))
@@ -189,3 +185,114 @@ def test_a_failed_save_keeps_the_previous_file(tiny_model, tmp_path, monkeypatch
         save_memory(memory, path)
     assert path.read_bytes() == previous
     assert [p.name for p in tmp_path.iterdir()] == ["memory.safetensors"]
+
+
+# ------------------------------------------------------------------ doctored files (issue 13)
+def resigned(change):
+    """A doctoring that re-signs the checksum, as anyone who can write the file can."""
+    return lambda source, target: rewrite(source, target, change, keep_checksum=False)
+
+
+def missing_field(m, t):
+    del m["stream"]["kv_tokens"]
+
+
+def string_stamps(m, t):
+    m["stream"]["chunk_stamps"] = {c: str(s) for c, s in m["stream"]["chunk_stamps"].items()}
+
+
+def huge_chunks_seen(m, t):
+    m["stream"]["chunks_seen"] = 2**40
+
+
+def nan_states(m, t):
+    t["layers.0.recurrent_state"][..., 0] = float("nan")
+
+
+def nan_stamp(m, t):
+    m["stream"]["last_stamp"] = float("nan")  # json writes NaN, json.loads reads it back
+
+
+def bool_counter(m, t):
+    m["stream"]["compactions"] = True
+
+
+def huge_declared_tensor(source, target):
+    """A file whose header declares a 2.5 GB key tensor: the header must refuse it unread."""
+    with open(source, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(length))
+        data = file.read()
+    entry = header["layers.3.keys"]
+    entry["shape"] = [1, 2, 10_000_000, 32]
+    entry["data_offsets"] = [entry["data_offsets"][0], entry["data_offsets"][0] + 2_560_000_000]
+    raw = json.dumps(header).encode()
+    target.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return target
+
+
+@pytest.mark.parametrize("make_bad, match", [
+    (resigned(missing_field), "malformed metadata: stream.kv_tokens"),
+    (resigned(string_stamps), "malformed metadata: chunk_stamps"),
+    (resigned(huge_chunks_seen), "malformed metadata: stream.chunks_seen"),
+    (resigned(bool_counter), "malformed metadata: stream.compactions"),
+    (resigned(nan_stamp), "malformed metadata: stream.last_stamp"),
+    (resigned(nan_states), "layers.0.recurrent_state holds NaN"),
+    (huge_declared_tensor, "layers.3.keys is declared as F32 \\[1, 2, 10000000, 32\\]"),
+], ids=["missing-key", "string-stamps", "chunks-seen-2^40", "bool-counter", "nan-stamp",
+        "nan-states", "huge-declared-tensor"])
+def test_doctored_files_are_refused_and_change_nothing(tiny_model, saved, tmp_path, make_bad,
+                                                       match, monkeypatch):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
+    feed(memory, range(10, 12))
+    before = frozen(memory)
+    path = make_bad(saved, tmp_path / "bad.safetensors")
+    reads = []
+    monkeypatch.setattr(persist, "safe_open",
+                        lambda *a, **k: reads.append(a) or safe_open(*a, **k))
+    with pytest.raises(MemoryFileError, match=match):
+        load_memory(memory, path)
+    assert_same_state(frozen(memory), before)
+    if make_bad is huge_declared_tensor:
+        assert reads == []  # refused from the header alone: no tensor data was read
+    feed(memory, range(12, 13))  # and the memory goes on
+
+
+def test_a_signed_file_needs_its_key(tiny_model, tmp_path):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
+    feed(memory, range(3))
+    key = b"k" * 32
+    signed = save_memory(memory, tmp_path / "signed.safetensors", key=key)
+    unsigned = save_memory(memory, tmp_path / "unsigned.safetensors")
+    forged = rewrite(signed, tmp_path / "forged.safetensors",
+                     lambda m, t: m["extra"].update(by="someone"), keep_checksum=False)
+    other = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
+    before = frozen(other)
+    for path, wrong_key, match in [(signed, b"x" * 32, "fails its HMAC"),
+                                   (forged, key, "fails its HMAC"),
+                                   (unsigned, key, "not signed")]:
+        with pytest.raises(MemoryFileError, match=match):
+            load_memory(other, path, key=wrong_key)
+        assert_same_state(frozen(other), before)
+    assert load_memory(other, signed, key=key)["hmac"]
+    assert_same_state(frozen(other), frozen(memory))
+
+
+def test_a_copy_of_the_model_under_another_name_loads_its_memory(tiny_model, tiny_model_dir,
+                                                                  tmp_path):
+    copy_dir = tmp_path / "renamed-copy"
+    shutil.copytree(tiny_model_dir, copy_dir)
+    copied = StreamingMemory(load_model(copy_dir, device="cpu"), MemoryConfig(**PERSIST_CONFIG))
+    feed(copied, range(3))
+    path = save_memory(copied, tmp_path / "memory.safetensors")
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
+    assert load_memory(memory, path)["model"]["name"] == "renamed-copy"
+    assert_same_state(frozen(memory), frozen(copied))
+
+
+def test_same_config_other_weights_is_another_model(tiny_model, tmp_path):
+    other = StreamingMemory(load_model(make_model(tmp_path / "tiny", seed=1), device="cpu"),
+                            MemoryConfig(**PERSIST_CONFIG))
+    path = save_memory(other, tmp_path / "memory.safetensors")
+    with pytest.raises(MemoryFileError, match="another model"):
+        load_memory(StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG)), path)

@@ -101,12 +101,6 @@ def test_nan_scores_count_as_lowest():
     assert not set(range(50, 55)) & set(keep.tolist())
 
 
-def test_deterministic():
-    times, scores = stream(50, 9, seed=7)
-    first = select_keep(times, scores, 200, 4, 20, 4)
-    assert all(torch.equal(first, select_keep(times, scores, 200, 4, 20, 4)) for _ in range(3))
-
-
 def test_rejects_a_budget_smaller_than_sinks_plus_window():
     times, scores = stream(10, 10)
     with pytest.raises(ValueError, match="budget"):

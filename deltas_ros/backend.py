@@ -1,0 +1,389 @@
+"""The one door to transformers' Qwen3.5 internals: the model's cache and every call into it.
+
+Everything the memory does to the model goes through `Backend` (batch size 1): prefill a chunk or
+text, one decoding step, snapshot/restore of the linear-attention states, the KV length, gathering
+and truncating KV slots, re-rotating cached keys, the attention mass of a question on each slot,
+and the gated delta rule's write strength. No other module of deltas_ros imports
+`transformers.models.qwen3_5`; the loader and the maker use transformers' public classes only.
+
+Private transformers names this module relies on (test_backend pins each of them, so an upgrade
+that moves one fails naming it):
+
+    modeling_qwen3_5.Qwen3_5GatedDeltaNet          .forward, whose body calls the module globals
+                                                    torch_chunk_gated_delta_rule and
+                                                    torch_recurrent_gated_delta_rule
+    modeling_qwen3_5.torch_chunk_gated_delta_rule   functools.wraps wrappers (fla's kernel when
+    modeling_qwen3_5.torch_recurrent_gated_delta_rule  fla imports); __wrapped__ is pure torch
+    modeling_qwen3_5.Qwen3_5Attention               .q_proj .q_norm .head_dim .scaling
+                                                    .num_key_value_groups .layer_idx, called with
+                                                    hidden_states= and position_embeddings=
+    modeling_qwen3_5.apply_rotary_pos_emb           (q, k, cos, sin) -> rotated (q, k)
+    modeling_qwen3_5.rotate_half                    the pairing rope.rotate_half reproduces
+    Qwen3_5TextRotaryEmbedding.recomposition_frequencies, .inv_freq
+    model.model.language_model.rotary_emb, model.model(..., cache=, position_ids=,
+        mm_token_type_ids=), model.lm_head
+    cache_utils.DynamicCache(config=) .layers[i] .keys .values .get_seq_length()
+        .recurrent_states[0] .conv_states[0]
+
+No process-wide patching: the gated delta kernels are chosen per model instance (each Gated
+DeltaNet module gets its own forward, the same code with its own kernel bindings; without the
+accelerate-offload and renamed-keyword decorators of the original, which a model on one device
+does not use), and the write
+strength is recorded per call (a context variable the instance's kernel reads). Evidence attention
+is computed from the question's own queries and the cached keys in bounded slices, so the model
+keeps its fast attention and no config switch is needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import time
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from .chunks import Chunk
+from .drift import write_strength
+from .rope import RotaryShift
+
+KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+# Elements of one slice of question-by-slot attention logits (64 MiB in float32).
+EVIDENCE_SLICE_ELEMENTS = 1 << 24
+# (sink, strength function) of the recording in progress in this thread, or None.
+_RECORDING: ContextVar[tuple[list[torch.Tensor], Callable] | None] = ContextVar(
+    "deltas_write_strength", default=None)
+
+
+@dataclass
+class StateSnapshot:
+    """Clones of the linear-attention states and the KV length: all a rollback needs."""
+
+    recurrent: list[torch.Tensor]
+    conv: list[torch.Tensor]
+    kv_tokens: int
+
+
+def fla_available() -> bool:
+    """Whether flash-linear-attention's gated delta kernels import (what transformers binds)."""
+    try:
+        ops = importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception:  # noqa: BLE001 - any import failure means: not usable
+        return False
+    return all(hasattr(ops, n) for n in ("chunk_gated_delta_rule",
+                                         "fused_recurrent_gated_delta_rule"))
+
+
+def select_gated_delta_kernels(model: torch.nn.Module, device: torch.device) -> bool:
+    """Give each Gated DeltaNet module of `model` its kernels: fla's on CUDA, torch elsewhere.
+
+    transformers binds fla's Triton kernels at import time whenever `fla.ops` imports, without
+    checking for a GPU, and they crash on a CPU-only machine. Instead of rebinding the module's
+    functions for the whole process, each module instance gets a forward with its own bindings.
+    Returns whether fla's kernels are in use.
+    """
+    use_fla = device.type == "cuda" and fla_available()
+    forward = _gated_delta_forward(use_fla)
+    for module in model.modules():
+        if isinstance(module, modeling_qwen3_5.Qwen3_5GatedDeltaNet):
+            module.forward = types.MethodType(forward, module)
+    return use_fla
+
+
+@functools.cache
+def _gated_delta_forward(use_fla: bool) -> types.FunctionType:
+    """Qwen3_5GatedDeltaNet.forward's code over a copy of its globals with our kernels."""
+    raw = inspect.unwrap(modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward)
+    chunk, recurrent = (getattr(modeling_qwen3_5, name) for name in KERNEL_NAMES)
+    if not use_fla:
+        chunk, recurrent = inspect.unwrap(chunk), inspect.unwrap(recurrent)
+
+    def recording_chunk(query, key, value, g, beta, initial_state=None, **kwargs):
+        recording = _RECORDING.get()
+        if recording is not None:
+            sink, strength = recording
+            sink.append(strength(key, value, g, beta, initial_state,
+                                 kwargs.get("use_qk_l2norm_in_kernel", False)))
+        return chunk(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
+
+    scope = dict(raw.__globals__)
+    scope.update({KERNEL_NAMES[0]: recording_chunk, KERNEL_NAMES[1]: recurrent})
+    forward = types.FunctionType(raw.__code__, scope, raw.__name__, raw.__defaults__,
+                                 raw.__closure__)
+    forward.__kwdefaults__ = raw.__kwdefaults__
+    return forward
+
+
+def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Gated DeltaNet modules of `model` (for the maker's decay init)."""
+    return [m for m in model.modules() if isinstance(m, modeling_qwen3_5.Qwen3_5GatedDeltaNet)]
+
+
+def rotary_shift(model: torch.nn.Module) -> RotaryShift:
+    """Key re-rotation for `model`'s text rotary embedding (see rope.RotaryShift)."""
+    rotary = model.model.language_model.rotary_emb
+    half = rotary.inv_freq.numel()
+    rows = rotary.recomposition_frequencies(torch.arange(3.0)[:, None].repeat(1, half))
+    return RotaryShift(rows, rotary.inv_freq)
+
+
+class Backend:
+    """One Qwen3.5 model with one stream's cache (batch 1, not thread-safe)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        self.model, self.device, self.dtype = model, device, dtype
+        text = model.config.text_config
+        self.linear = [i for i, k in enumerate(text.layer_types) if k == "linear_attention"]
+        self.full = [i for i, k in enumerate(text.layer_types) if k == "full_attention"]
+        self.max_positions: int = text.max_position_embeddings
+        self.rotary_shift = rotary_shift(model)
+        self.cache = DynamicCache(config=text)
+        self.fla_kernels = select_gated_delta_kernels(model, device)  # per instance; idempotent
+        self.strength_fn: Callable = write_strength  # a benchmark may wrap it to time it
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config.text_config)
+
+    def now(self) -> float:
+        """perf_counter after the device's queued work: what the timings of a chunk read."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    # ----------------------------------------------------------------------------- forward
+    def prefill_text(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """ids (1, L), positions (3, 1, L) through the language model; returns (1, L, hidden)."""
+        out = self.model.model(input_ids=ids.to(self.device),
+                               position_ids=positions.to(self.device),
+                               cache=self.cache, use_cache=True)
+        return out.last_hidden_state
+
+    def prefill_chunk(self, chunk: Chunk) -> None:
+        dev = self.device
+        self.model.model(
+            input_ids=chunk.input_ids.to(dev),
+            pixel_values_videos=chunk.pixel_values.to(dev, self.dtype),
+            video_grid_thw=chunk.grid_thw.to(dev),
+            mm_token_type_ids=chunk.mm_token_type_ids.to(dev),
+            position_ids=chunk.position_ids.to(dev),
+            cache=self.cache,
+            use_cache=True,
+        )
+
+    def next_token(self, hidden: torch.Tensor) -> int:
+        """Greedy choice after the last of hidden (1, L, hidden)."""
+        return int(self.model.lm_head(hidden[:, -1]).argmax(-1).item())
+
+    def step(self, token: int, position: int) -> torch.Tensor:
+        """One decoding step of `token` at `position` (all three rows); returns (1, 1, hidden)."""
+        return self.prefill_text(torch.tensor([[token]]), torch.full((3, 1, 1), position))
+
+    # ----------------------------------------------------------------------------- states
+    def recurrent_states(self) -> list[torch.Tensor]:
+        return [self.cache.layers[i].recurrent_states[0] for i in self.linear]
+
+    def snapshot(self) -> StateSnapshot:
+        layers = [self.cache.layers[i] for i in self.linear]
+        return StateSnapshot([layer.recurrent_states[0].clone() for layer in layers],
+                             [layer.conv_states[0].clone() for layer in layers], self.kv_tokens)
+
+    def restore(self, snap: StateSnapshot) -> None:
+        """Copy the states back and cut the KV cache to its length at the snapshot."""
+        for i, recurrent, conv in zip(self.linear, snap.recurrent, snap.conv):
+            self.cache.layers[i].recurrent_states[0].copy_(recurrent)
+            self.cache.layers[i].conv_states[0].copy_(conv)
+        self.truncate(snap.kv_tokens)
+
+    # ----------------------------------------------------------------------------- KV slots
+    @property
+    def kv_tokens(self) -> int:
+        return self.cache.layers[self.full[0]].get_seq_length()
+
+    def truncate(self, length: int) -> None:
+        for i in self.full:
+            layer = self.cache.layers[i]
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+    def newest(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of the last n slots, one (1, kv_heads, n, head_dim) per layer."""
+        layers = [self.cache.layers[i] for i in self.full]
+        return ([layer.keys[..., -n:, :] for layer in layers],
+                [layer.values[..., -n:, :] for layer in layers])
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Keep only slots `keep` (sorted indices) in every full-attention layer.
+
+        Everything is gathered before anything is replaced, so a failure changes nothing.
+        """
+        keep = keep.to(self.device)
+        layers = [self.cache.layers[i] for i in self.full]
+        kept = [(gather_slots(layer.keys, keep), gather_slots(layer.values, keep))
+                for layer in layers]
+        for layer, (keys, values) in zip(layers, kept):
+            layer.keys, layer.values = keys, values
+
+    def fill(self, holes: torch.Tensor, movers: torch.Tensor, size: int) -> None:
+        """Move slots `movers` into slots `holes` and cut every full-attention layer to `size`
+        slots (slots.fill_plan): O(evicted) data moved, not O(kept). The movers of every layer
+        are read before anything is written, so a failure changes nothing."""
+        layers = [self.cache.layers[i] for i in self.full]
+        filled = fill_slots([t for layer in layers for t in (layer.keys, layer.values)],
+                            holes.to(self.device), movers.to(self.device), size)
+        for layer, keys, values in zip(layers, filled[0::2], filled[1::2]):
+            layer.keys, layer.values = keys, values
+
+    def shift_keys(self, first: int, shift: torch.Tensor) -> None:
+        """Re-rotate the keys of slots first.. by shift (3, T) (slots before `first` stay);
+        all new keys are computed before any is replaced."""
+        layers = [self.cache.layers[i] for i in self.full]
+        keys = [torch.cat([layer.keys[..., :first, :],
+                           self.rotary_shift(layer.keys[..., first:, :], shift[:, first:])],
+                          dim=-2)
+                for layer in layers]
+        for layer, new_keys in zip(layers, keys):
+            layer.keys = new_keys
+
+    # ----------------------------------------------------------------------------- export
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The cache's tensors by name, by reference (see memory.MemoryState)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for i in self.linear:
+            tensors[f"layers.{i}.recurrent_state"] = self.cache.layers[i].recurrent_states[0]
+            tensors[f"layers.{i}.conv_state"] = self.cache.layers[i].conv_states[0]
+        for i in self.full:
+            tensors[f"layers.{i}.keys"] = self.cache.layers[i].keys
+            tensors[f"layers.{i}.values"] = self.cache.layers[i].values
+        return tensors
+
+    def import_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the cache's tensors by checked ones of `export_tensors`' names and shapes."""
+        # Copies: the fill eviction writes into the cache in place, so it must own its tensors.
+        moved = {name: t.to(self.device, copy=True) for name, t in tensors.items()
+                 if name.startswith("layers.")}
+        for i in self.linear:
+            self.cache.layers[i].recurrent_states[0].copy_(moved[f"layers.{i}.recurrent_state"])
+            self.cache.layers[i].conv_states[0].copy_(moved[f"layers.{i}.conv_state"])
+        for i in self.full:
+            layer = self.cache.layers[i]
+            layer.keys, layer.values = moved[f"layers.{i}.keys"], moved[f"layers.{i}.values"]
+
+    def nbytes(self) -> tuple[int, int]:
+        """(KV bytes, linear-attention state bytes)."""
+        kv = sum(self.cache.layers[i].keys.nbytes + self.cache.layers[i].values.nbytes
+                 for i in self.full)
+        states = sum(self.cache.layers[i].recurrent_states[0].nbytes
+                     + self.cache.layers[i].conv_states[0].nbytes for i in self.linear)
+        return kv, states
+
+    # ----------------------------------------------------------------------------- signals
+    @contextmanager
+    def recording_write_strength(self, enabled: bool = True) -> Iterator[list[torch.Tensor]]:
+        """While active, each chunked gated delta prefill in this thread appends beta*||e|| per
+        token (B, n) to the yielded list. It replays the recurrence token by token: only for
+        policies that score by it."""
+        sink: list[torch.Tensor] = []
+        token = _RECORDING.set((sink, self.strength_fn) if enabled else None)
+        try:
+            yield sink
+        finally:
+            _RECORDING.reset(token)
+
+    @contextmanager
+    def attention_mass(self, slots: int) -> Iterator[torch.Tensor]:
+        """While active, each full-attention layer's forward adds to the yielded (slots,)
+        float32 tensor the attention mass its queries put on cache slots 0..slots-1 (summed
+        over heads and query tokens), computed in bounded slices (`attention_mass_of`)."""
+        mass = torch.zeros(slots)
+
+        def hook(module, args, kwargs, _output) -> None:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            queries = _rotated_queries(module, hidden, kwargs["position_embeddings"])
+            keys = self.cache.layers[module.layer_idx].keys
+            mass.add_(attention_mass_of(queries, keys, module.scaling,
+                                        module.num_key_value_groups, slots).cpu())
+
+        hooks = [module.register_forward_hook(hook, with_kwargs=True)
+                 for module in self.model.modules()
+                 if isinstance(module, modeling_qwen3_5.Qwen3_5Attention)]
+        try:
+            yield mass
+        finally:
+            for handle in hooks:
+                handle.remove()
+
+
+def _rotated_queries(module: torch.nn.Module, hidden: torch.Tensor, embeddings) -> torch.Tensor:
+    """The attention layer's queries (1, heads, L, head_dim) after rotary, as its forward makes
+    them."""
+    shape = (*hidden.shape[:-1], -1, module.head_dim)
+    query, _gate = torch.chunk(
+        module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim * 2), 2, dim=-1)
+    query = module.q_norm(query.view(shape)).transpose(1, 2)
+    cos, sin = embeddings
+    return modeling_qwen3_5.apply_rotary_pos_emb(query, query, cos, sin)[0]
+
+
+def attention_mass_of(queries: torch.Tensor, keys: torch.Tensor, scaling: float, groups: int,
+                      slots: int, slice_elements: int = EVIDENCE_SLICE_ELEMENTS) -> torch.Tensor:
+    """Causal softmax attention of the last L cache entries' queries, summed over heads and
+    queries, on slots 0..slots-1: (slots,) float32.
+
+    queries (1, heads, L, d) of the cache's last L entries; keys (1, kv_heads, S, d), S >= L.
+    As eager attention computes it (logits in the model's dtype, softmax in float32, weights
+    back in the model's dtype), but L is walked in slices of at most `slice_elements` logits,
+    so a long question needs bounded memory. `attention_mass_reference` is the one-shot version.
+    """
+    heads, length, total = queries.shape[1], queries.shape[2], keys.shape[2]
+    keys = keys.repeat_interleave(groups, dim=1)
+    rows = max(1, slice_elements // (heads * total))
+    mass = torch.zeros(slots, device=queries.device)
+    for start in range(0, length, rows):
+        part = queries[..., start:start + rows, :]
+        logits = torch.matmul(part, keys.transpose(2, 3)) * scaling  # (1, H, r, S)
+        seen = total - length + start + torch.arange(part.shape[2], device=queries.device)
+        hidden = torch.arange(total, device=queries.device)[None, :] > seen[:, None]
+        logits = logits.masked_fill(hidden, float("-inf"))
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
+        mass += weights[..., :slots].float().sum((0, 1, 2))
+    return mass
+
+
+def attention_mass_reference(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
+                             groups: int, slots: int) -> torch.Tensor:
+    """`attention_mass_of` in one piece (all L x S logits at once), for tests."""
+    length, total = queries.shape[2], keys.shape[2]
+    keys = keys.repeat_interleave(groups, dim=1)
+    logits = torch.matmul(queries, keys.transpose(2, 3)) * scaling
+    causal = torch.ones(length, total, dtype=torch.bool).tril(total - length)
+    logits = logits.masked_fill(~causal.to(logits.device), float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return weights[0, :, :, :slots].float().sum((0, 1))
+
+
+def fill_slots(caches: list[torch.Tensor], holes: torch.Tensor, movers: torch.Tensor,
+               size: int) -> list[torch.Tensor]:
+    """Each (B, kv_heads, T, head_dim) tensor cut to `size` slots with slots `movers` copied
+    into slots `holes` (in place: the results are views of the inputs). Every mover is read
+    before anything is written."""
+    moving = [cache.index_select(-2, movers) for cache in caches]
+    return [cache[..., :size, :].index_copy_(-2, holes, rows)
+            for cache, rows in zip(caches, moving)]
+
+
+def gather_slots(cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """cache[..., keep, :] for a (B, kv_heads, T, head_dim) K or V tensor.
+
+    Through a (B * kv_heads, T, head_dim) view: PyTorch's CPU index_select is faster on it than
+    on the 4-D tensor at small sizes (part of the eviction speed-up `bench.engine_overhead`
+    shows); test_backend checks it against index_select on the 4-D tensor.
+    """
+    batch, heads, _, dim = cache.shape
+    return cache.reshape(batch * heads, -1, dim).index_select(1, keep).view(batch, heads, -1, dim)

@@ -1,0 +1,101 @@
+"""What a streaming memory holds and accepts: its configuration, the question rules, its errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+
+from .chunks import DEFAULT_PIXEL_BUDGET
+from .policy import make_policy
+
+
+class ChunkFailed(RuntimeError):
+    """A chunk could not be ingested; the memory was rolled back to its state before it."""
+
+
+class QuestionFailed(RuntimeError):
+    """A question could not be answered; the memory was left as it was before it."""
+
+
+@dataclass
+class MemoryConfig:
+    """How much the memory holds and how it chooses (defaults: the paper's).
+
+    compact_margin: positions kept free below max_position_embeddings for questions and their
+    answers; positions are compacted when a chunk would reach into them.
+    max_question_tokens, max_answer_tokens: a question longer than this many tokens, or asking
+    for a longer answer, is refused before anything changes (bounded work per request).
+    max_question_s: a question holds the worker at most this long; then it returns the answer
+    so far, marked truncated, so the camera stream is not starved.
+    eviction: "fill" moves only the evicted slots' replacements (O(evicted) per event; the slots
+    leave arrival order); "gather" copies every kept slot in arrival order (the reference).
+    """
+
+    budget_tokens: int = 8192
+    sink_tokens: int = 4
+    window_tokens: int = 1024
+    buckets: int = 4
+    policy: str = "deltas"
+    seed: int = 0
+    pixel_budget: int = DEFAULT_PIXEL_BUDGET
+    max_new_tokens: int = 64
+    evidence_chunks: int = 3
+    compact_margin: int = 4096
+    max_question_tokens: int = 2048
+    max_answer_tokens: int = 4096
+    max_question_s: float = 60.0
+    eviction: str = "fill"
+
+    def __post_init__(self) -> None:
+        if self.budget_tokens < self.sink_tokens + self.window_tokens:
+            raise ValueError(
+                f"budget_tokens ({self.budget_tokens}) must be at least sink_tokens + "
+                f"window_tokens ({self.sink_tokens} + {self.window_tokens})"
+            )
+        if self.buckets < 1 or min(self.sink_tokens, self.window_tokens) < 0:
+            raise ValueError("buckets must be >= 1, sink_tokens and window_tokens >= 0")
+        if self.compact_margin < 0:
+            raise ValueError(f"compact_margin must be >= 0, got {self.compact_margin}")
+        if min(self.max_question_tokens, self.max_answer_tokens) < 1:
+            raise ValueError("max_question_tokens and max_answer_tokens must be >= 1")
+        if not 1 <= self.max_new_tokens <= self.max_answer_tokens:
+            raise ValueError(f"max_new_tokens must be in [1, max_answer_tokens "
+                             f"({self.max_answer_tokens})], got {self.max_new_tokens}")
+        if not (math.isfinite(self.max_question_s) and self.max_question_s > 0):
+            raise ValueError(f"max_question_s must be > 0, got {self.max_question_s}")
+        if self.eviction not in ("fill", "gather"):
+            raise ValueError(f"eviction must be 'fill' or 'gather', got {self.eviction!r}")
+        make_policy(self.policy, self.seed)  # raises for unknown names
+
+
+def question_problem(question: str, max_chars: int | None = None, wire: bool = False) -> str:
+    """Why a question is refused, or "" when it is fine.
+
+    wire: the question came in a ROS message. A string that was not valid UTF-8 on the wire
+    reaches Python with U+FFFD in place of the bad bytes (rclpy decodes with "replace");
+    answering a mangled question would hide the client's bug, so it is refused. (From Python, a
+    U+FFFD is just a character.)
+    """
+    if not question.strip():
+        return "the question is empty"
+    if max_chars is not None and len(question) > max_chars:
+        return f"the question has {len(question)} characters; the limit is {max_chars}"
+    if wire and "\ufffd" in question:
+        return ("the question contains U+FFFD: it was not valid UTF-8 when sent (or carried a "
+                "replacement character)")
+    return ""
+
+
+def raise_rolled_back(kind: type[RuntimeError], what: str, failure: BaseException,
+                      device: torch.device) -> NoReturn:
+    """Raise `kind` for a failure the memory was rolled back from; call it outside the except
+    block, so the failed forward's tensors are gone (and CUDA's cache can be emptied)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not isinstance(failure, Exception):  # KeyboardInterrupt, SystemExit: not ours to wrap
+        raise failure
+    raise kind(f"{what} failed and was rolled back: {type(failure).__name__}: {failure}"
+               ) from failure

@@ -1,0 +1,78 @@
+"""What the streaming memory reports: per chunk, per question, its size, its whole state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ChunkResult:
+    """What one chunk did to the memory, with its cost in milliseconds."""
+
+    index: int
+    time: float
+    drift: float
+    layer_drift: list[float]
+    chunk_tokens: int
+    kv_tokens: int
+    evicted_tokens: int
+    forward_ms: float
+    signal_ms: float
+    evict_ms: float
+    stamp: float | None = None
+    positions_freed: int = 0  # by a position compaction just before this chunk
+
+
+@dataclass
+class Answer:
+    """A question's answer and where in the retained stream it looked.
+
+    truncated: the answer stopped at `max_question_s`, not at its end or its token limit.
+    """
+
+    text: str
+    evidence_times: list[float]
+    evidence_stamps: list[float | None]
+    memory_tokens: int
+    span_start: float
+    span_end: float
+    latency_ms: float
+    generated_tokens: int
+    truncated: bool = False
+
+
+@dataclass
+class MemoryStats:
+    """Size and contents of the memory right now."""
+
+    chunks: int
+    kv_tokens: int
+    kv_bytes: int
+    state_bytes: int
+    next_position: int
+    max_positions: int
+    span_start: float
+    span_end: float
+    retained_chunks: list[int] = field(default_factory=list)
+    compactions: int = 0
+
+
+@dataclass
+class MemoryState:
+    """Everything a stream continues from: what persist.py writes and reads.
+
+    tensors, by name (i: the model's layer index; T: cache slots):
+        layers.{i}.recurrent_state  (B, Hv, dk, dv) float32    linear-attention layers
+        layers.{i}.conv_state       (B, conv_channels, kernel)  linear-attention layers
+        layers.{i}.keys, .values    (B, kv_heads, T, head_dim)  full-attention layers, keys rotated
+        slots.time (T,) float64, slots.score (T,) float32, slots.chunk (T,) int64,
+        slots.position (3, T) int64   (see slots.SlotTable)
+    """
+
+    tensors: dict[str, torch.Tensor]
+    next_position: int
+    chunks_seen: int
+    compactions: int
+    chunk_stamps: dict[int, float | None]

@@ -1,0 +1,168 @@
+"""The one door to transformers: the private names it relies on, no process-wide patching,
+per-instance kernels, and the sliced evidence attention equal to eager attention's weights."""
+
+import copy
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from engine_helpers import TINY_FRAMES, feed, frames_for
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from transformers import AutoModelForImageTextToText
+from transformers.cache_utils import DynamicCache
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from deltas_ros import backend, rope
+from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.model import LoadedModel
+
+REPO = Path(__file__).resolve().parents[1]
+MODULE_NAMES = ["Qwen3_5GatedDeltaNet", "Qwen3_5Attention", "Qwen3_5TextRotaryEmbedding",
+                "apply_rotary_pos_emb", "rotate_half", *backend.KERNEL_NAMES]
+
+
+@pytest.mark.parametrize("name", MODULE_NAMES)
+def test_private_module_names_the_backend_uses_exist(name):
+    assert hasattr(modeling_qwen3_5, name), f"transformers moved modeling_qwen3_5.{name}"
+
+
+@pytest.mark.parametrize("name", backend.KERNEL_NAMES)
+def test_gated_delta_forward_calls_the_kernels_by_their_global_names(name):
+    forward = inspect.unwrap(modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward)
+    assert name in forward.__code__.co_names, f"GatedDeltaNet.forward no longer calls {name}"
+    kernel = getattr(modeling_qwen3_5, name)
+    assert inspect.unwrap(kernel).__module__ == modeling_qwen3_5.__name__, \
+        f"{name}.__wrapped__ is no longer transformers' torch reference"
+
+
+def test_attention_and_cache_attributes_the_backend_uses_exist(tiny_model):
+    model = tiny_model.model
+    attention = next(m for m in model.modules()
+                     if isinstance(m, modeling_qwen3_5.Qwen3_5Attention))
+    for name in ("q_proj", "q_norm", "head_dim", "scaling", "num_key_value_groups", "layer_idx"):
+        assert hasattr(attention, name), f"Qwen3_5Attention.{name} moved"
+    signature = inspect.signature(inspect.unwrap(modeling_qwen3_5.Qwen3_5Attention.forward))
+    for name in ("hidden_states", "position_embeddings"):
+        assert name in signature.parameters, f"Qwen3_5Attention.forward lost {name}="
+    rotary = model.model.language_model.rotary_emb
+    for name in ("recomposition_frequencies", "inv_freq"):
+        assert hasattr(rotary, name), f"Qwen3_5TextRotaryEmbedding.{name} moved"
+    cache = DynamicCache(config=model.config.text_config)
+    full = model.config.text_config.layer_types.index("full_attention")
+    linear = model.config.text_config.layer_types.index("linear_attention")
+    assert hasattr(cache.layers[full], "get_seq_length"), "DynamicCache layer API moved"
+    for name in ("recurrent_states", "conv_states"):
+        assert hasattr(cache.layers[linear], name), f"linear-attention cache layer lost {name}"
+
+
+def test_rope_rotate_half_is_transformers_pairing():
+    x = torch.randn(2, 3, 16)
+    assert torch.equal(rope.rotate_half(x), modeling_qwen3_5.rotate_half(x))
+
+
+def test_supported_transformers_range_agrees_with_the_pin():
+    """setup.py allows only the transformers minor release the backend's private names are pinned
+    against (above); requirements.txt pins a version inside that range, and it is installed."""
+    setup = (REPO / "setup.py").read_text()
+    allowed = SpecifierSet(re.search(r'"transformers([^"]+)"', setup).group(1))
+    pinned = re.search(r"^transformers==(\S+)$", (REPO / "requirements.txt").read_text(),
+                       re.MULTILINE).group(1)
+    assert pinned in allowed and transformers.__version__ in allowed
+    next_minor = Version(pinned).release[:2][0], Version(pinned).release[1] + 1
+    assert f"{next_minor[0]}.{next_minor[1]}.0" not in allowed  # an untested release is refused
+
+
+def test_no_process_wide_rebinding(tiny_model):
+    """Kernels are chosen per module instance; the module's own bindings and the attention
+    implementation stay as transformers set them, also while recording write strength."""
+    bound = {name: getattr(modeling_qwen3_5, name) for name in backend.KERNEL_NAMES}
+    implementation = tiny_model.model.config.text_config._attn_implementation
+    memory = StreamingMemory(tiny_model, MemoryConfig(policy="write_strength", budget_tokens=150,
+                                                      window_tokens=40, max_new_tokens=2,
+                                                      **TINY_FRAMES))
+    feed(memory, range(8))
+    memory.ask("What is on the table?")
+    assert {name: getattr(modeling_qwen3_5, name) for name in bound} == bound
+    assert all(hasattr(kernel, "__wrapped__") for kernel in bound.values())  # still the wrapper
+    assert tiny_model.model.config.text_config._attn_implementation == implementation
+    deltanets = backend.linear_attention_modules(tiny_model.model)
+    assert deltanets and all("forward" in vars(m) for m in deltanets)  # per instance
+    scope = vars(deltanets[0])["forward"].__func__.__globals__
+    assert scope is not vars(modeling_qwen3_5)
+    assert scope[backend.KERNEL_NAMES[1]] is inspect.unwrap(bound[backend.KERNEL_NAMES[1]])
+
+
+def test_write_strength_is_recorded_only_inside_the_call(tiny_model):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
+    chunk = memory.builder.build(*_frames(), memory.next_position)
+    twin = copy.deepcopy(memory)
+    with torch.inference_mode():
+        with memory.backend.recording_write_strength() as strengths:
+            memory.backend.prefill_chunk(chunk)
+        with twin.backend.recording_write_strength(enabled=False) as nothing:
+            twin.backend.prefill_chunk(chunk)
+    assert len(strengths) == 6 and nothing == []  # one per Gated DeltaNet layer
+    assert all(s.shape == (1, chunk.num_tokens) and torch.isfinite(s).all() for s in strengths)
+    for a, b in zip(memory.backend.recurrent_states(), twin.backend.recurrent_states()):
+        assert torch.equal(a, b)  # recording does not change what the model computes
+
+
+def _frames():
+    return frames_for(0), [0.0, 0.5]
+
+
+@pytest.mark.parametrize("slice_rows", [1, 3, 1000])
+def test_sliced_attention_mass_equals_the_one_shot_reference(slice_rows):
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, length, total, dim = 4, 2, 37, 120, 32
+    queries = torch.randn(1, heads, length, dim, generator=gen)
+    keys = torch.randn(1, kv_heads, total, dim, generator=gen)
+    slots = total - length
+    reference = backend.attention_mass_reference(queries, keys, 0.17, 2, slots)
+    sliced = backend.attention_mass_of(queries, keys, 0.17, 2, slots,
+                                       slice_elements=slice_rows * heads * total)
+    torch.testing.assert_close(sliced, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_evidence_mass_equals_eager_attention_weights(tiny_model_dir, tiny_model):
+    """The evidence the memory computes from queries and cached keys, in slices, is the mass
+    eager attention's own weights give (what the memory used before the backend)."""
+    model = AutoModelForImageTextToText.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, local_files_only=True, attn_implementation="eager")
+    model.eval().requires_grad_(False)
+    loaded = LoadedModel(model, tiny_model.tokenizer, tiny_model_dir, torch.device("cpu"),
+                         torch.float32, False)
+    memory = StreamingMemory(loaded, MemoryConfig(budget_tokens=150, window_tokens=40,
+                                                  **TINY_FRAMES))
+    feed(memory, range(10))
+    ids = memory.layout.question_ids(memory.tokenizer, "Where was the red ball? " * 5)
+    start, kv_before = memory.next_position, memory.kv_tokens
+    weights = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: weights.append(out[1]))
+             for m in model.modules() if isinstance(m, modeling_qwen3_5.Qwen3_5Attention)]
+    try:
+        with torch.inference_mode(), memory.backend.attention_mass(kv_before) as mass:
+            memory.backend.prefill_text(torch.tensor([ids]),
+                                        torch.arange(start, start + len(ids)).expand(3, 1, -1))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    eager = torch.stack([w[0, :, :, :kv_before].float().sum((0, 1)) for w in weights]).sum(0)
+    assert len(weights) == 2 and mass.shape == (kv_before,)
+    torch.testing.assert_close(mass, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_slots_equals_index_select_on_the_slot_dimension():
+    cache = torch.randn(2, 3, 50, 8)
+    keep = torch.tensor([0, 1, 7, 8, 9, 30, 49])
+    assert torch.equal(backend.gather_slots(cache, keep), cache.index_select(-2, keep))
+
+
+def test_only_the_backend_imports_transformers_qwen3_5():
+    importers = sorted(p.name for p in (REPO / "deltas_ros").glob("*.py")
+                       if "transformers.models" in p.read_text())
+    assert importers == ["backend.py"]
