@@ -16,10 +16,12 @@ restarted camera or a long outage must still be followed):
 
 1. The clock is the stamp of the last *accepted* frame: a frame that was decoded and added to a
    chunk. A frame that fails to decode, is not sampled, or is refused changes nothing.
-2. A stamp of 0 or below is an unset header, not a time: the frame is dropped and counted
-   (`bad_stamps`, and as a bad frame). Falling back to arrival time would mix two clocks and
-   break "a replayed bag gives the same chunks". Absurd stamps that are set (2038, a stamp from
-   another clock) are handled by rule 3: alone they never move the clock.
+2. A header stamp of 0 (sec and nanosec both 0) is an unset header, not a time: message_stamp
+   gives NaN (UNSET_STAMP) and the gate drops and counts the frame (`bad_stamps`, and as a bad
+   frame), as it does a negative stamp. Falling back to arrival time would mix two clocks and
+   break "a replayed bag gives the same chunks". (Stamps that are not headers may be 0: a video
+   file's first frame is at 0.0 s.) Absurd stamps that are set (2038, a stamp from another
+   clock) are handled by rule 3: alone they never move the clock.
 3. A frame whose stamp disagrees with the clock - earlier by more than `tolerance_s` (a jump
    back) or later by more than `max_gap_s` (a jump forward) - is evidence for a new timeline,
    not a new timeline. It is decoded (an undecodable frame is no evidence) and held. Only
@@ -242,6 +244,8 @@ class TimeEvent(enum.Enum):
     GAP = "gap"  # later than the clock by more than max_gap_s
 
 
+UNSET_STAMP = math.nan  # what message_stamp gives for a header stamp never set
+
 # Consecutive decoded frames that must agree on a new timeline before the clock follows it
 # (parameter-to-be: confirm_frames). See the module docstring for why three.
 CONFIRM_FRAMES = 3
@@ -430,8 +434,12 @@ class FrameSampler:
 
 
 def message_stamp(msg) -> float:
-    """Header stamp (s) of a sensor_msgs Image/CompressedImage from rclpy or `rosbags`."""
-    return stamp_to_seconds(msg.header.stamp.sec, msg.header.stamp.nanosec)
+    """Header stamp (s) of a sensor_msgs Image/CompressedImage from rclpy or `rosbags`;
+    UNSET_STAMP (NaN) for an unset header (0 s 0 ns), which FrameGate refuses."""
+    sec, nanosec = msg.header.stamp.sec, msg.header.stamp.nanosec
+    if sec == 0 and nanosec == 0:
+        return UNSET_STAMP
+    return stamp_to_seconds(sec, nanosec)
 
 
 def decode_message(msg) -> np.ndarray:
@@ -462,7 +470,7 @@ class FrameGate:
     def __init__(self, sampler: FrameSampler) -> None:
         self.sampler = sampler
         self.bad_frames = 0  # refused: undecodable, unset stamp, or unconfirmed stamp outlier
-        self.bad_stamps = 0  # of which: stamp 0 or below
+        self.bad_stamps = 0  # of which: unset (NaN from message_stamp) or negative stamps
         self.last_error = ""
 
     def push(self, stamp: float, decode: Callable[[], np.ndarray]) -> GateOutcome:
@@ -470,9 +478,10 @@ class FrameGate:
         outcome = GateOutcome()
         event = sampler.observe(stamp)
         outliers = sampler.stamp_outliers
-        if not 0 < stamp < math.inf:  # also NaN
+        if not 0 <= stamp < math.inf:  # NaN: an unset header stamp
             self.bad_stamps += 1
-            self._refuse(outcome, f"unset header stamp ({stamp}): frame dropped", 1)
+            what = "unset header stamp (0)" if math.isnan(stamp) else f"stamp {stamp}"
+            self._refuse(outcome, f"{what}: frame dropped", 1)
         elif event is TimeEvent.NONE:
             sampler.dismiss_evidence()  # agrees with the clock: held evidence was a stray
             if sampler.wants(stamp) and (frame := self._decode(decode, outcome)) is not None:

@@ -22,6 +22,7 @@ from deltas_ros.frames import (
     decode_compressed,
     decode_message,
     decode_raw,
+    message_stamp,
     stamp_to_seconds,
 )
 
@@ -442,6 +443,14 @@ def raw_rgb(stamp: float, encoding: str = "rgb8", height: int = 2, width: int = 
     return lambda: decode_raw(encoding, height, width, width * 3, data)
 
 
+def unset_stamp() -> float:
+    """What an Image whose header stamp was never set gives."""
+    from types import SimpleNamespace
+
+    stamp = SimpleNamespace(sec=0, nanosec=0)
+    return message_stamp(SimpleNamespace(header=SimpleNamespace(stamp=stamp)))
+
+
 def feed(gate: FrameGate, frames) -> tuple[list[SampledChunk], list[TimeEvent]]:
     """Push (stamp, decode) pairs; the chunks and the time events that came out."""
     chunks, events = [], []
@@ -492,7 +501,7 @@ def test_one_bad_stamp_never_moves_the_clock(attack, where):
     attack_point = stamps[where]
     injected = []
     for offset, decode in ATTACKS[attack]:
-        stamp = 0.0 if offset is None else attack_point + offset
+        stamp = unset_stamp() if offset is None else attack_point + offset
         injected.append((stamp, raw_rgb(attack_point) if decode == "good" else decode))
     frames = [(s, raw_rgb(s)) for s in stamps]
     gate = FrameGate(FrameSampler())
@@ -509,9 +518,19 @@ def test_one_bad_stamp_never_moves_the_clock(attack, where):
 
 def test_a_zero_stamp_never_starts_the_stream():
     gate = FrameGate(FrameSampler())
-    chunks, _ = feed(gate, [(0.0, raw_rgb(BASE))] + [(s, raw_rgb(s)) for s in camera(1.0)])
+    chunks, _ = feed(gate, [(unset_stamp(), raw_rgb(BASE))]
+                     + [(s, raw_rgb(s)) for s in camera(1.0)])
     assert chunks[0].times == pytest.approx([0.0, 0.5], abs=1e-6)  # not ~1.7e9 s
     assert gate.bad_stamps == 1 and "unset header stamp" in gate.last_error
+    feed(gate, [(-5.0, raw_rgb(BASE))])
+    assert gate.bad_stamps == 2 and "stamp -5.0" in gate.last_error
+
+
+def test_a_time_of_zero_that_is_no_header_is_a_time():
+    """A video file's frames are at index / fps: the first one at 0.0 s."""
+    gate = FrameGate(FrameSampler())
+    chunks, _ = feed(gate, [(i / 10, raw_rgb(i / 10)) for i in range(10)])
+    assert chunks[0].stamps == [0.0, 0.5] and gate.bad_stamps == 0
 
 
 def test_a_jump_back_needs_three_frames_and_the_next_pass_repeats_the_first():
