@@ -3,12 +3,45 @@
 Two halves, both free of rclpy so that the node, offline tools (rosbags) and tests share them:
 
 - decode_raw / decode_compressed turn the fields of sensor_msgs/Image and CompressedImage into
-  (H, W, 3) uint8 RGB arrays, or raise FrameError saying why the frame is unusable.
+  (H, W, 3) uint8 RGB arrays, or raise FrameError saying why the frame is unusable. Work per
+  message is bounded before any pixel is touched: a frame larger than MAX_FRAME_PIXELS or more
+  elongated than MAX_ASPECT_RATIO is refused from its header (raw fields, or the PNG IHDR / JPEG
+  SOF of a compressed image: a 100 KB PNG may claim 30000x30000 pixels, 2.7 GB decoded).
 - FrameSampler picks frames at a fixed rate by header stamp (never arrival time, so a replayed
-  bag gives the same chunks as the live stream), groups them into chunks, and reports time jumps
-  (a looped bag, a reset clock, a long outage) so the caller can reset or mark its memory.
+  bag gives the same chunks as the live stream) and groups them into chunks; FrameGate runs each
+  message through the stream clock rule below, decoding only what it must.
 
-Callers ask `wants(stamp)` before decoding, so frames that are not sampled are never decoded.
+The stream clock rule (why: one message must never damage the memory, and a looped bag, a
+restarted camera or a long outage must still be followed):
+
+1. The clock is the stamp of the last *accepted* frame: a frame that was decoded and added to a
+   chunk. A frame that fails to decode, is not sampled, or is refused changes nothing.
+2. A header stamp of 0 (sec and nanosec both 0) is an unset header, not a time: message_stamp
+   gives NaN (UNSET_STAMP) and the gate drops and counts the frame (`bad_stamps`, and as a bad
+   frame), as it does a negative stamp. Falling back to arrival time would mix two clocks and
+   break "a replayed bag gives the same chunks". (Stamps that are not headers may be 0: a video
+   file's first frame is at 0.0 s.) Absurd stamps that are set (2038, a stamp from another
+   clock) are handled by rule 3: alone they never move the clock.
+3. A frame whose stamp disagrees with the clock - earlier by more than `tolerance_s` (a jump
+   back) or later by more than `max_gap_s` (a jump forward) - is evidence for a new timeline,
+   not a new timeline. It is decoded (an undecodable frame is no evidence) and held. Only
+   CONFIRM_FRAMES (3) consecutive decoded frames agreeing on the new timeline - stamps strictly
+   increasing, each within `max_gap_s` of the previous one (the time bound: the evidence spans at
+   most 2 x max_gap_s of stamp time) - confirm it. Then a jump back starts a new stream (the
+   caller resets its memory) and a jump forward opens a new segment (memory kept, the gap shows
+   in stream time), and the held frames become the first frames of that timeline, so a looped
+   bag's second pass gives the same chunks as its first.
+4. A frame that agrees with the clock ends any evidence being gathered: the held frames are
+   dropped and counted (`stamp_outliers`, and as bad frames). The current timeline wins, so
+   doubtful evidence keeps the memory rather than wiping it.
+
+Why three: one frame is what the attacks used; two can be one stray message and its re-send;
+three consecutive, increasing, decodable frames cost three camera periods on a real jump (0.1 s
+at 30 Hz, 1.5 s at 2 Hz), and lose none of them. Evidence holds at most 3 decoded frames.
+
+Decoding cost: frames that agree with the clock and are not due for sampling cost two stamp
+comparisons and are never decoded, as before. Frames that disagree with the clock are decoded,
+since they are the evidence; that is at most one decode per message, bounded by the size limits.
 """
 
 from __future__ import annotations
@@ -39,6 +72,19 @@ _LAYOUTS: dict[str, tuple[int, slice]] = {
 _HIGH_DEPTH = re.compile(r"(mono|rgb|bgr|rgba|bgra)16|(16|32|64)[USF]C\d|bayer_\w+16")
 
 ImageData = bytes | bytearray | memoryview | array.array | np.ndarray
+
+# Size limits, checked from headers before decoding (parameters-to-be: max_frame_pixels). 8K UHD
+# (7680 x 4320, 33 MP, 100 MB as RGB) is above any robot camera we know of and bounds one
+# decode; the model sees at most pixel_budget pixels of it anyway.
+MAX_FRAME_PIXELS = 7680 * 4320
+# Qwen-VL's smart_resize refuses frames more elongated than 200:1 (chunks.smart_resize), which
+# would fail the whole chunk in the worker; the gate refuses them instead, one frame at a time.
+MAX_ASPECT_RATIO = 200
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# JPEG start-of-frame markers: C0-CF except DHT (C4), JPG (C8) and DAC (CC).
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_JPEG_NO_LENGTH = frozenset(range(0xD0, 0xD8)) | {0x01}  # RSTn and TEM stand alone
 
 
 class FrameError(ValueError):
@@ -73,8 +119,7 @@ def decode_raw(
             )
         raise FrameError(f"unknown encoding {encoding!r}; supported encodings: {supported}")
     channels, rgb = _LAYOUTS[encoding]
-    if height <= 0 or width <= 0:
-        raise FrameError(f"empty image: height={height}, width={width}")
+    check_frame_size(height, width)
     row_bytes = width * channels
     if step < row_bytes:
         raise FrameError(
@@ -102,12 +147,85 @@ def decode_compressed(format: str, data: ImageData) -> np.ndarray:
     if buffer.size == 0:
         raise FrameError("empty compressed image data")
     try:
+        height, width = compressed_size(buffer)
+    except FrameError as error:
+        raise FrameError(f"cannot decode compressed image ({format!r}): {error}") from None
+    check_frame_size(height, width)
+    try:
         bgr = cv2.imdecode(buffer, cv2.IMREAD_COLOR)
     except cv2.error as error:
         raise FrameError(f"cannot decode compressed image ({format!r}): {error}") from error
     if bgr is None:
         raise FrameError(f"cannot decode compressed image ({format!r}): corrupt or unknown data")
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+
+
+def check_frame_size(height: int, width: int) -> None:
+    """FrameError unless a height x width frame is non-empty and within the size limits."""
+    if height <= 0 or width <= 0:
+        raise FrameError(f"empty image: height={height}, width={width}")
+    if height * width > MAX_FRAME_PIXELS:
+        raise FrameError(f"image of {width}x{height} pixels is larger than the limit of "
+                         f"{MAX_FRAME_PIXELS} pixels (frames are refused before decoding)")
+    if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
+        raise FrameError(f"image of {width}x{height} pixels is more elongated than "
+                         f"{MAX_ASPECT_RATIO}:1, which the model cannot take")
+
+
+def compressed_size(data: np.ndarray) -> tuple[int, int]:
+    """(height, width) from a PNG or JPEG header, without decoding: (N,) uint8 -> two ints.
+
+    Only PNG and JPEG are accepted (what image_transport's compressed plugin sends): other codecs
+    would be decoded with no size known beforehand. A JPEG must also end with its end-of-image
+    marker: libjpeg silently fills a truncated JPEG with grey, which we refuse as corrupt.
+    """
+    head = memoryview(data)
+    if bytes(head[:8]) == _PNG_SIGNATURE:
+        if len(head) < 24 or bytes(head[12:16]) != b"IHDR":
+            raise FrameError("corrupt PNG: no IHDR header")
+        width = int.from_bytes(head[16:20], "big")
+        height = int.from_bytes(head[20:24], "big")
+        return height, width
+    if bytes(head[:2]) == b"\xff\xd8":
+        height, width = _jpeg_size(head)
+        if not bytes(head[-64:]).rstrip(b"\0").endswith(b"\xff\xd9"):
+            raise FrameError("corrupt JPEG: truncated (no end-of-image marker)")
+        return height, width
+    raise FrameError("not PNG or JPEG data")
+
+
+def _jpeg_size(data: memoryview) -> tuple[int, int]:
+    """(height, width) from a JPEG's start-of-frame segment, hopping over the segments before it;
+    each step advances, so the loop ends within len(data) steps."""
+    i, end = 2, len(data)
+    while i < end:
+        if data[i] != 0xFF:
+            raise FrameError("corrupt JPEG: bad marker before the frame header")
+        while i < end and data[i] == 0xFF:  # fill bytes may pad any marker
+            i += 1
+        if i + 1 > end:
+            break
+        marker = data[i]
+        i += 1
+        if marker in _JPEG_NO_LENGTH:
+            continue
+        if marker in (0xD9, 0xDA):  # end of image / start of scan before any frame header
+            break
+        if i + 2 > end:
+            break
+        length = data[i] << 8 | data[i + 1]
+        if marker in _JPEG_SOF:
+            if length < 8 or i + 7 > end:
+                break
+            height = data[i + 3] << 8 | data[i + 4]
+            width = data[i + 5] << 8 | data[i + 6]
+            if height == 0:
+                raise FrameError("JPEG with its height in a DNL segment is not supported")
+            return height, width
+        if length < 2:
+            raise FrameError("corrupt JPEG: bad segment length")
+        i += length
+    raise FrameError("corrupt JPEG: no frame header")
 
 
 def _byte_view(data: ImageData) -> np.ndarray:
@@ -119,11 +237,18 @@ def _byte_view(data: ImageData) -> np.ndarray:
 
 
 class TimeEvent(enum.Enum):
-    """What a stamp says about the stream's clock, relative to the previous stamp."""
+    """What a stamp says about the stream's clock, relative to the last accepted stamp."""
 
     NONE = "none"
-    JUMP_BACK = "jump_back"  # earlier than the last stamp seen (a bag looped, clock reset)
-    GAP = "gap"  # later than the last stamp seen by more than max_gap_s
+    JUMP_BACK = "jump_back"  # earlier than the clock (a bag looped, clock reset)
+    GAP = "gap"  # later than the clock by more than max_gap_s
+
+
+UNSET_STAMP = math.nan  # what message_stamp gives for a header stamp never set
+
+# Consecutive decoded frames that must agree on a new timeline before the clock follows it
+# (parameter-to-be: confirm_frames). See the module docstring for why three.
+CONFIRM_FRAMES = 3
 
 
 @dataclass(eq=False)
@@ -140,12 +265,15 @@ class SampledChunk:
 
 
 class FrameSampler:
-    """Resample a camera stream to `fps` by header stamps (never arrival time) and group frames
-    into chunks.
+    """Resample a camera stream to `fps` by header stamps (never arrival time), group frames into
+    chunks, and keep the stream clock by the rule in the module docstring.
 
-    Per frame: observe(stamp) always, then if wants(stamp): decode, and add(frame, stamp) if the
-    decode worked. Sampling slots lie on a grid origin + k / fps; a frame fills the open slot if
-    it is no more than tolerance_s early, so timestamp jitter neither drops nor doubles slots.
+    Per frame (FrameGate does this): observe(stamp) classifies it against the clock without
+    changing anything. NONE: if wants(stamp), decode and add(frame, stamp). JUMP_BACK / GAP:
+    decode and propose(frame, stamp), which holds it as evidence and follows the new timeline
+    once CONFIRM_FRAMES agree. Sampling slots lie on a grid origin + k / fps; a frame fills the
+    open slot if it is no more than tolerance_s early, so timestamp jitter neither drops nor
+    doubles slots.
     """
 
     def __init__(
@@ -154,50 +282,50 @@ class FrameSampler:
         frames_per_chunk: int = 2,
         max_gap_s: float = 10.0,
         tolerance_s: float = 0.005,
+        confirm_frames: int = CONFIRM_FRAMES,
     ) -> None:
         if not fps > 0:
             raise ValueError(f"fps must be > 0, got {fps}")
-        if frames_per_chunk < 1:
-            raise ValueError(f"frames_per_chunk must be >= 1, got {frames_per_chunk}")
+        if frames_per_chunk < 2:  # the model takes frames in pairs (temporal patches)
+            raise ValueError(f"frames_per_chunk must be >= 2, got {frames_per_chunk}")
         if not max_gap_s > 0:
             raise ValueError(f"max_gap_s must be > 0, got {max_gap_s}")
         if not 0 <= tolerance_s < 0.5 / fps:
             raise ValueError(f"tolerance_s must be in [0, half a period {0.5 / fps}), got "
                              f"{tolerance_s}")
+        if not 2 <= confirm_frames < 2 * frames_per_chunk:
+            # One frame never moves the clock; the held frames complete at most one chunk.
+            raise ValueError(f"confirm_frames must be in [2, 2 * frames_per_chunk), got "
+                             f"{confirm_frames}")
         self.fps = fps
         self.frames_per_chunk = frames_per_chunk
         self.max_gap_s = max_gap_s
         self.tolerance_s = tolerance_s
+        self.confirm_frames = confirm_frames
         self.received = 0
         self.sampled = 0
         self.dropped_frames = 0
         self.time_jumps_back = 0
         self.time_gaps = 0
+        self.stamp_outliers = 0  # frames held as evidence for a new timeline that never came
         self.chunks = 0
         self._first: float | None = None  # stream start: stream times count from here
-        self._last: float | None = None  # last observed stamp
+        self._last: float | None = None  # the clock: latest accepted stamp
         self._origin = 0.0  # sampling grid origin: the stream start, or the end of the last gap
         self._next_due = 0.0  # the open slot
         self._index = 0
         self._frames: list[np.ndarray] = []
         self._stamps: list[float] = []
+        self._evidence: list[tuple[np.ndarray, float]] = []  # held frames of a new timeline
 
     def observe(self, stamp: float) -> TimeEvent:
-        """Note a frame's stamp (call for every frame, first); JUMP_BACK means a new stream."""
+        """Count a frame and say how its stamp relates to the clock; changes nothing else."""
         self.received += 1
-        last, self._last = self._last, stamp
-        if last is None:
-            self._start(stamp)
+        if self._last is None:
             return TimeEvent.NONE
-        if stamp < last - self.tolerance_s:
-            self.time_jumps_back += 1
-            self._drop_partial()
-            self._start(stamp)
+        if stamp < self._last - self.tolerance_s:
             return TimeEvent.JUMP_BACK
-        if stamp > last + self.max_gap_s:
-            self.time_gaps += 1
-            self._drop_partial()
-            self._origin = self._next_due = stamp  # same stream time, new sampling grid
+        if stamp > self._last + self.max_gap_s:
             return TimeEvent.GAP
         return TimeEvent.NONE
 
@@ -206,10 +334,75 @@ class FrameSampler:
         return self._first is None or stamp >= self._next_due - self.tolerance_s
 
     def add(self, frame: np.ndarray, stamp: float) -> SampledChunk | None:
-        """Commit a wanted, decoded (H, W, 3) frame; returns the chunk it completes, if any."""
+        """Commit a wanted, decoded (H, W, 3) frame that agrees with the clock (observe() said
+        NONE); it ends any evidence held for another timeline. Returns the chunk it completes."""
+        self.dismiss_evidence()
+        return self._add(frame, stamp)
+
+    def propose(self, frame: np.ndarray, stamp: float) -> tuple[TimeEvent, SampledChunk | None]:
+        """Hold a decoded frame that disagrees with the clock as evidence for a new timeline.
+
+        Returns (NONE, None) while the evidence is not sufficient; on the confirm_frames-th
+        agreeing frame, (JUMP_BACK or GAP, the chunk the held frames complete on the new
+        timeline, if any: fewer than 2 * frames_per_chunk frames complete at most one).
+        """
+        if self._evidence:
+            previous = self._evidence[-1][1]
+            if not previous < stamp <= previous + self.max_gap_s:
+                self.dismiss_evidence()  # another timeline again: start over from this frame
+        self._evidence.append((frame, stamp))
+        if len(self._evidence) < self.confirm_frames:
+            return TimeEvent.NONE, None
+        held, self._evidence = self._evidence, []
+        start = held[0][1]
+        self._drop_partial()
+        if self._last is not None and start < self._last - self.tolerance_s:
+            event = TimeEvent.JUMP_BACK
+            self.time_jumps_back += 1
+            self._start(start)
+        else:
+            event = TimeEvent.GAP
+            self.time_gaps += 1
+            self._origin = self._next_due = start  # same stream time, new sampling grid
+        chunk = None
+        for frame, stamp in held:
+            if self.wants(stamp):
+                chunk = self._add(frame, stamp) or chunk
+        return event, chunk
+
+    def dismiss_evidence(self) -> int:
+        """Drop the frames held for a new timeline (counted in stamp_outliers); how many."""
+        count = len(self._evidence)
+        self.stamp_outliers += count
+        self._evidence = []
+        return count
+
+    def reset(self) -> None:
+        """Forget the stream entirely: the next frame starts a new one at chunk index 0."""
+        self._drop_partial()
+        self.dismiss_evidence()
+        self._first = self._last = None
+        self._index = 0
+
+    @property
+    def stream_start(self) -> float | None:
+        """Header stamp the current stream's times count from (None before the first frame)."""
+        return self._first
+
+    def resume(self, stream_start: float, last_stamp: float, next_index: int) -> None:
+        """Continue a saved stream (after a restart): stream times still count from its start,
+        chunk indices go on, and the clock stands at `last_stamp`."""
+        self._drop_partial()
+        self.dismiss_evidence()
+        self._first, self._last = stream_start, last_stamp
+        self._origin = self._next_due = last_stamp
+        self._index = next_index
+
+    def _add(self, frame: np.ndarray, stamp: float) -> SampledChunk | None:
         if self._first is None:
-            raise RuntimeError("FrameSampler.add() before observe(): no stream has started")
+            self._start(stamp)
         self.sampled += 1
+        self._last = stamp if self._last is None else max(self._last, stamp)
         # Next slot after the one this frame filled, on the grid: a late frame causes no drift,
         # and a slot with no frame is skipped.
         slot = math.floor((stamp - self._origin + self.tolerance_s) * self.fps)
@@ -231,27 +424,8 @@ class FrameSampler:
         self._frames, self._stamps = [], []
         return chunk
 
-    def reset(self) -> None:
-        """Forget the stream entirely: the next frame starts a new one at chunk index 0."""
-        self._drop_partial()
-        self._first = self._last = None
-        self._index = 0
-
-    @property
-    def stream_start(self) -> float | None:
-        """Header stamp the current stream's times count from (None before the first frame)."""
-        return self._first
-
-    def resume(self, stream_start: float, last_stamp: float, next_index: int) -> None:
-        """Continue a saved stream (after a restart): stream times still count from its start,
-        chunk indices go on, and stamps before `last_stamp` are a jump back (a new stream)."""
-        self._drop_partial()
-        self._first, self._last = stream_start, last_stamp
-        self._origin = self._next_due = last_stamp
-        self._index = next_index
-
     def _start(self, stamp: float) -> None:
-        self._first = self._origin = self._next_due = stamp
+        self._first = self._last = self._origin = self._next_due = stamp
         self._index = 0
 
     def _drop_partial(self) -> None:
@@ -260,8 +434,12 @@ class FrameSampler:
 
 
 def message_stamp(msg) -> float:
-    """Header stamp (s) of a sensor_msgs Image/CompressedImage from rclpy or `rosbags`."""
-    return stamp_to_seconds(msg.header.stamp.sec, msg.header.stamp.nanosec)
+    """Header stamp (s) of a sensor_msgs Image/CompressedImage from rclpy or `rosbags`;
+    UNSET_STAMP (NaN) for an unset header (0 s 0 ns), which FrameGate refuses."""
+    sec, nanosec = msg.header.stamp.sec, msg.header.stamp.nanosec
+    if sec == 0 and nanosec == 0:
+        return UNSET_STAMP
+    return stamp_to_seconds(sec, nanosec)
 
 
 def decode_message(msg) -> np.ndarray:
@@ -284,24 +462,48 @@ class GateOutcome:
 class FrameGate:
     """The per-frame path shared by the node, offline runs and benchmarks.
 
-    stamp -> time-jump check -> sampled? -> decode (only then) -> chunk. Decoding failures are
-    counted and reported, never raised: a bad frame leaves its sampling slot open.
+    stamp set? -> agrees with the clock? -> sampled? -> decode (only then) -> chunk; a stamp off
+    the clock -> decode -> evidence (module docstring). Failures are counted and reported, never
+    raised: a bad frame leaves its sampling slot open and the clock where it was.
     """
 
     def __init__(self, sampler: FrameSampler) -> None:
         self.sampler = sampler
-        self.bad_frames = 0
+        self.bad_frames = 0  # refused: undecodable, unset stamp, or unconfirmed stamp outlier
+        self.bad_stamps = 0  # of which: unset (NaN from message_stamp) or negative stamps
         self.last_error = ""
 
     def push(self, stamp: float, decode: Callable[[], np.ndarray]) -> GateOutcome:
-        outcome = GateOutcome(event=self.sampler.observe(stamp))
-        if not self.sampler.wants(stamp):
-            return outcome
+        sampler = self.sampler
+        outcome = GateOutcome()
+        event = sampler.observe(stamp)
+        outliers = sampler.stamp_outliers
+        if not 0 <= stamp < math.inf:  # NaN: an unset header stamp
+            self.bad_stamps += 1
+            what = "unset header stamp (0)" if math.isnan(stamp) else f"stamp {stamp}"
+            self._refuse(outcome, f"{what}: frame dropped", 1)
+        elif event is TimeEvent.NONE:
+            sampler.dismiss_evidence()  # agrees with the clock: held evidence was a stray
+            if sampler.wants(stamp) and (frame := self._decode(decode, outcome)) is not None:
+                outcome.chunk = sampler.add(frame, stamp)
+        elif (frame := self._decode(decode, outcome)) is not None:
+            outcome.event, outcome.chunk = sampler.propose(frame, stamp)
+        if sampler.stamp_outliers > outliers:
+            count = sampler.stamp_outliers - outliers
+            self._refuse(outcome, f"{count} frame(s) stamped off the stream clock dropped: a "
+                         f"new timeline needs {sampler.confirm_frames} consecutive frames", count)
+        return outcome
+
+    def _decode(self, decode: Callable[[], np.ndarray], outcome: GateOutcome
+                ) -> np.ndarray | None:
         try:
             frame = decode()
+            check_frame_size(*frame.shape[:2])  # any decoder: offline videos, benchmarks
         except FrameError as error:
-            self.bad_frames += 1
-            self.last_error = outcome.error = str(error)
-            return outcome
-        outcome.chunk = self.sampler.add(frame, stamp)
-        return outcome
+            self._refuse(outcome, str(error), 1)
+            return None
+        return frame
+
+    def _refuse(self, outcome: GateOutcome, reason: str, frames: int) -> None:
+        self.bad_frames += frames
+        self.last_error = outcome.error = reason

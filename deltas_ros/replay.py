@@ -11,6 +11,7 @@ import argparse
 import importlib
 import itertools
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from .bag import image_topics, read_images
 
 NS_PER_S = 1_000_000_000
 ACK_TIMEOUT_S = 2.0
+# Longest uninterrupted sleep: a signal delivered to one of DDS's threads does not wake the main
+# thread's sleep, so Python raises KeyboardInterrupt only once that sleep ends.
+SLEEP_SLICE_S = 0.05
 
 
 def message_class(msgtype: str) -> type:
@@ -40,7 +44,7 @@ def _wait_for_subscribers(node: Node, publishers: dict[str, Publisher], timeout_
     while time.monotonic() < deadline:
         if all(pub.get_subscription_count() >= 1 for pub in publishers.values()):
             return
-        time.sleep(0.02)
+        time.sleep(0.02)  # short: Ctrl-C acts between two sleeps
     waiting = [topic for topic, pub in publishers.items() if pub.get_subscription_count() < 1]
     if waiting:
         node.get_logger().warning(
@@ -77,31 +81,30 @@ def replay_bag(
     read_images(path, topics)  # checks the bag and topics: clear errors before any ROS setup
     types = image_topics(path)
     selected = {topic: types[topic] for topic in topics or types}
-
-    context = None
-    if node is None:
-        context = Context()
-        rclpy.init(context=context)
-        node = Node("deltas_replay", context=context)
     qos = (
         QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         if reliable
         else qos_profile_sensor_data
     )
-    publishers = {
-        topic: node.create_publisher(message_class(msgtype), topic, qos)
-        for topic, msgtype in selected.items()
-    }
-    clock = node.create_publisher(Clock, "/clock", 10) if publish_clock else None
     stats = {
-        "published": dict.fromkeys(publishers, 0),
+        "published": dict.fromkeys(selected, 0),
         "late_ms_max": 0.0,
         "loops": 0,
         "wall_s": 0.0,
         "interrupted": False,
     }
+    own_node = node is None
+    context, publishers, clock = None, {}, None
     start = time.monotonic()
-    try:
+    try:  # set-up included: Ctrl-C at any moment tears down what exists
+        if own_node:
+            context = Context()
+            rclpy.init(context=context)
+            node = Node("deltas_replay", context=context)
+        for topic, msgtype in selected.items():
+            publishers[topic] = node.create_publisher(message_class(msgtype), topic, qos)
+        if publish_clock:
+            clock = node.create_publisher(Clock, "/clock", 10)
         # A use_sim_time consumer needs the clock from the first frame on, so /clock waits too.
         waited = {**publishers, "/clock": clock} if clock is not None else publishers
         _wait_for_subscribers(node, waited, wait_for_subscribers_s)
@@ -116,12 +119,16 @@ def replay_bag(
     finally:
         stats["wall_s"] = round(time.monotonic() - start, 3)
         for publisher in [*publishers.values(), clock]:
-            if publisher is not None:
-                # A reliable writer destroyed right after its last write can lose that message.
+            if publisher is None:
+                continue
+            if not stats["interrupted"]:
+                # A reliable writer destroyed right after its last write can lose that message
+                # (and the acknowledgement can take until the next heartbeat: up to the timeout).
                 publisher.wait_for_all_acked(Duration(seconds=ACK_TIMEOUT_S))
-                node.destroy_publisher(publisher)
-        if context is not None:
+            node.destroy_publisher(publisher)
+        if own_node and node is not None:
             node.destroy_node()
+        if context is not None:
             rclpy.try_shutdown(context=context)
     return stats
 
@@ -147,9 +154,7 @@ def _play_once(
     for image in itertools.chain([first], images):
         last_ns, count = image.log_time_ns, count + 1
         due = wall0 + (image.log_time_ns - first_ns) / NS_PER_S / rate
-        delay = due - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+        _sleep_until(due)
         late_ms = (time.monotonic() - due) * 1000
         if clock is not None:
             bag_time = Clock()
@@ -164,8 +169,36 @@ def _play_once(
     return wall0 + span_s + span_s / (count - 1)
 
 
+def _sleep_until(due: float) -> None:
+    """Sleep until time.monotonic() reaches `due`, in slices, so Ctrl-C acts within a slice even
+    across a long pause of the bag or a slow rate."""
+    while (left := due - time.monotonic()) > 0:
+        time.sleep(min(left, SLEEP_SLICE_S))
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM stop the replay cleanly: KeyboardInterrupt, which replay_bag turns into
+    a teardown and an exit code 0; a second signal during the (bounded) teardown is ignored.
+
+    Set explicitly because neither Python nor rclpy does it here: a process started with SIGINT
+    ignored - any background job of a non-interactive shell, as CI and scripts start them -
+    keeps it ignored in Python, and rclpy installs its own handler only for the default context,
+    not for replay's private one. `replay --loop` then ignored Ctrl-C for good (the test run
+    that waited 60 s for it had been started in the background).
+    """
+
+    def stop(signum: int, frame) -> None:
+        for ours in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(ours, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+
+
 def replay_command(args: argparse.Namespace) -> int:
     """`deltas-ros replay`: publish a bag's camera topics live and print what was published."""
+    stop_on_signals()
     stats = replay_bag(
         args.bag,
         rate=args.rate,

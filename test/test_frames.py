@@ -22,6 +22,7 @@ from deltas_ros.frames import (
     decode_compressed,
     decode_message,
     decode_raw,
+    message_stamp,
     stamp_to_seconds,
 )
 
@@ -302,52 +303,27 @@ def test_wants_is_pure():
     assert (sampler.received, sampler.sampled) == (1, 1)
 
 
-def test_jump_back_starts_a_new_stream():
-    sampler = FrameSampler()
-    before, _ = run(sampler, camera(1.2))  # samples at 0, 0.5 (chunk 0) and 1.0 (partial)
-    restart = BASE - 100.0
-
-    assert sampler.observe(restart) is TimeEvent.JUMP_BACK
-    assert (sampler.time_jumps_back, sampler.dropped_frames) == (1, 1)
-    assert sampler.wants(restart)
-    sampler.add(frame_for(restart), restart)
-    after, _ = run(sampler, camera(1.0, start=restart)[1:])
-
-    assert [c.index for c in before] == [0]
-    assert [c.index for c in after] == [0]
-    assert after[0].stamps[0] == restart
-    assert after[0].times == pytest.approx([0.0, 0.5], abs=1e-6)
-
-
 def test_small_backward_jitter_is_not_a_jump():
     sampler = FrameSampler(tolerance_s=0.005)
-    sampler.observe(BASE)
+    sampler.add(frame_for(BASE), BASE)
     assert sampler.observe(BASE - 0.003) is TimeEvent.NONE
     assert sampler.observe(BASE - 0.010) is TimeEvent.JUMP_BACK
 
 
-def test_gap_keeps_stream_time_and_restarts_the_grid():
-    sampler = FrameSampler(max_gap_s=10.0)
-    before, _ = run(sampler, camera(1.2))  # chunk 0, and a partial chunk of one frame at 1.0
-    resume = BASE + 61.3  # off the old 0.5 s grid
-
-    assert sampler.observe(resume) is TimeEvent.GAP
-    assert (sampler.time_gaps, sampler.dropped_frames) == (1, 1)
-    assert sampler.wants(resume)
-    sampler.add(frame_for(resume), resume)
-    after, _ = run(sampler, camera(1.0, start=resume)[1:])
-
-    assert [c.index for c in before + after] == [0, 1]  # same stream: indices continue
-    assert after[0].stamps == pytest.approx([resume, resume + 0.5], abs=1e-6)  # new grid
-    assert after[0].times == pytest.approx([61.3, 61.8], abs=1e-6)  # the gap shows in time
-    assert after[0].times[0] > before[0].times[-1]
-
-
 def test_forward_step_below_max_gap_is_not_a_gap():
     sampler = FrameSampler(max_gap_s=10.0)
-    sampler.observe(BASE)
+    sampler.add(frame_for(BASE), BASE)
     assert sampler.observe(BASE + 9.9) is TimeEvent.NONE
     assert sampler.observe(BASE + 20.0) is TimeEvent.GAP
+
+
+def test_observe_only_classifies():
+    sampler = FrameSampler()
+    sampler.add(frame_for(BASE), BASE)
+    for stamp in (BASE - 1.0, BASE + 20.0, BASE + 0.1):
+        sampler.observe(stamp)
+    assert sampler.observe(BASE - 1.0) is TimeEvent.JUMP_BACK  # the clock did not move
+    assert (sampler.received, sampler.sampled, sampler.time_jumps_back) == (4, 1, 0)
 
 
 def test_failed_decode_leaves_the_slot_open():
@@ -407,11 +383,6 @@ def test_reset_forgets_the_stream():
     assert chunks[0].times == pytest.approx([0.0, 0.5], abs=1e-6)
 
 
-def test_add_before_observe_is_an_error():
-    with pytest.raises(RuntimeError, match="observe"):
-        FrameSampler().add(frame_for(BASE), BASE)
-
-
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
@@ -421,6 +392,9 @@ def test_add_before_observe_is_an_error():
         ({"max_gap_s": 0.0}, "max_gap_s"),
         ({"tolerance_s": -0.001}, "tolerance_s"),
         ({"tolerance_s": 0.25}, "tolerance_s"),  # half of a 0.5 s period
+        ({"frames_per_chunk": 1}, "frames_per_chunk"),
+        ({"confirm_frames": 1}, "confirm_frames"),
+        ({"confirm_frames": 4}, "confirm_frames"),  # 4 held frames could complete two chunks
     ],
 )
 def test_sampler_validates_arguments(kwargs, expected):
@@ -458,3 +432,302 @@ def test_decode_message_handles_raw_and_compressed_messages():
     ok, png = cv2.imencode(".png", np.full((3, 5, 3), 7, np.uint8))
     compressed = SimpleNamespace(format="png", data=png.tobytes())
     assert decode_message(compressed).shape == (3, 5, 3)
+
+
+# --- the stream clock rule (module docstring of deltas_ros.frames) ---------------------------
+
+
+def raw_rgb(stamp: float, encoding: str = "rgb8", height: int = 2, width: int = 2):
+    """A decode callable for a raw frame whose pixels tell its stamp."""
+    data = frame_for(stamp, (height, width, 3)).tobytes()
+    return lambda: decode_raw(encoding, height, width, width * 3, data)
+
+
+def unset_stamp() -> float:
+    """What an Image whose header stamp was never set gives."""
+    from types import SimpleNamespace
+
+    stamp = SimpleNamespace(sec=0, nanosec=0)
+    return message_stamp(SimpleNamespace(header=SimpleNamespace(stamp=stamp)))
+
+
+def feed(gate: FrameGate, frames) -> tuple[list[SampledChunk], list[TimeEvent]]:
+    """Push (stamp, decode) pairs; the chunks and the time events that came out."""
+    chunks, events = [], []
+    for stamp, decode in frames:
+        outcome = gate.push(stamp, decode)
+        events.append(outcome.event)
+        if outcome.chunk is not None:
+            chunks.append(outcome.chunk)
+    return chunks, events
+
+
+def same_chunks(a: list[SampledChunk], b: list[SampledChunk]) -> bool:
+    return [(c.index, c.stamps, c.times) for c in a] == [(c.index, c.stamps, c.times) for c in b] \
+        and all(np.array_equal(x, y) for ca, cb in zip(a, b) for x, y in zip(ca.frames, cb.frames))
+
+
+def empty_frame():
+    return decode_raw("rgb8", 0, 0, 0, b"")
+
+
+def depth_frame():
+    return decode_raw("16UC1", 2, 2, 4, bytes(8))
+
+
+def unknown_encoding():
+    return decode_raw("yuv422_weird", 2, 2, 4, bytes(8))
+
+
+# Each attack: frames (stamp offset from the attack point, decode) slipped into a clean stream.
+ATTACKS = {
+    "stamp 0, unknown encoding": [(None, unknown_encoding)],
+    "good frame stamped 0": [(None, "good")],
+    "16UC1 stamped 1 s back": [(-1.0, depth_frame)],
+    "empty frame stamped in 2038": [(2_145_916_800.0 - BASE, empty_frame)],
+    "good frame stamped +20 s": [(20.0, "good")],
+    "two good frames stamped 1 s back": [(-1.0, "good"), (-0.9, "good")],
+    "three undecodable frames stamped 5 s back": [(-5.0, depth_frame), (-4.9, depth_frame),
+                                                  (-4.8, depth_frame)],
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+@pytest.mark.parametrize("where", [14, 15, 16])  # before, at and after a sampling slot
+def test_one_bad_stamp_never_moves_the_clock(attack, where):
+    stamps = camera(3.0)
+    clean_gate = FrameGate(FrameSampler())
+    clean, _ = feed(clean_gate, [(s, raw_rgb(s)) for s in stamps])
+    attack_point = stamps[where]
+    injected = []
+    for offset, decode in ATTACKS[attack]:
+        stamp = unset_stamp() if offset is None else attack_point + offset
+        injected.append((stamp, raw_rgb(attack_point) if decode == "good" else decode))
+    frames = [(s, raw_rgb(s)) for s in stamps]
+    gate = FrameGate(FrameSampler())
+
+    chunks, events = feed(gate, frames[:where] + injected + frames[where:])
+
+    assert same_chunks(chunks, clean) and len(chunks) == 3
+    assert set(events) == {TimeEvent.NONE}
+    sampler = gate.sampler
+    assert (sampler.time_jumps_back, sampler.time_gaps, sampler.dropped_frames) == (0, 0, 0)
+    assert gate.bad_frames == len(injected) and gate.last_error  # counted, with a reason
+    assert gate.bad_stamps == sum(offset is None for offset, _ in ATTACKS[attack])
+
+
+def test_a_zero_stamp_never_starts_the_stream():
+    gate = FrameGate(FrameSampler())
+    chunks, _ = feed(gate, [(unset_stamp(), raw_rgb(BASE))]
+                     + [(s, raw_rgb(s)) for s in camera(1.0)])
+    assert chunks[0].times == pytest.approx([0.0, 0.5], abs=1e-6)  # not ~1.7e9 s
+    assert gate.bad_stamps == 1 and "unset header stamp" in gate.last_error
+    feed(gate, [(-5.0, raw_rgb(BASE))])
+    assert gate.bad_stamps == 2 and "stamp -5.0" in gate.last_error
+
+
+def test_a_time_of_zero_that_is_no_header_is_a_time():
+    """A video file's frames are at index / fps: the first one at 0.0 s."""
+    gate = FrameGate(FrameSampler())
+    chunks, _ = feed(gate, [(i / 10, raw_rgb(i / 10)) for i in range(10)])
+    assert chunks[0].stamps == [0.0, 0.5] and gate.bad_stamps == 0
+
+
+def test_a_jump_back_needs_three_frames_and_the_next_pass_repeats_the_first():
+    gate = FrameGate(FrameSampler())
+    stamps = camera(3.0)
+
+    first, events_first = feed(gate, [(s, raw_rgb(s)) for s in stamps])
+    second, events = feed(gate, [(s, raw_rgb(s)) for s in stamps])  # the bag looped
+
+    assert events[:3] == [TimeEvent.NONE, TimeEvent.NONE, TimeEvent.JUMP_BACK]
+    assert set(events_first + events[3:]) == {TimeEvent.NONE}
+    assert same_chunks(second, first) and [c.index for c in second] == [0, 1, 2]
+    sampler = gate.sampler
+    assert (sampler.time_jumps_back, sampler.stamp_outliers, gate.bad_frames) == (1, 0, 0)
+
+
+def test_a_gap_needs_three_frames_and_keeps_stream_time():
+    gate = FrameGate(FrameSampler(max_gap_s=10.0))
+    before, _ = feed(gate, [(s, raw_rgb(s)) for s in camera(1.2)])  # chunk 0 and a partial one
+    resume = BASE + 61.3  # off the old 0.5 s grid
+
+    after, events = feed(gate, [(s, raw_rgb(s)) for s in camera(1.0, start=resume)])
+
+    assert events[:3] == [TimeEvent.NONE, TimeEvent.NONE, TimeEvent.GAP]
+    assert [c.index for c in before + after] == [0, 1]  # same stream: indices continue
+    assert after[0].stamps == pytest.approx([resume, resume + 0.5], abs=1e-6)  # new grid
+    assert after[0].times == pytest.approx([61.3, 61.8], abs=1e-6)  # the gap shows in time
+    assert (gate.sampler.time_gaps, gate.sampler.dropped_frames) == (1, 1)
+
+
+def test_a_slow_camera_confirms_with_the_held_frames_sampled():
+    """At the sampling rate itself every evidence frame is sampled: none of them is lost."""
+    gate = FrameGate(FrameSampler(fps=2.0, frames_per_chunk=2))
+    feed(gate, [(s, raw_rgb(s)) for s in camera(2.0, rate=2.0)])
+    restart = BASE - 50.0
+    chunks, events = feed(gate, [(s, raw_rgb(s)) for s in camera(2.0, rate=2.0, start=restart)])
+    assert events[2] is TimeEvent.JUMP_BACK
+    assert [c.stamps for c in chunks] == [[restart, restart + 0.5], [restart + 1.0, restart + 1.5]]
+
+
+def test_interleaved_timelines_never_confirm_and_are_counted():
+    gate = FrameGate(FrameSampler())
+    stamps = camera(3.0)
+    other = [s - 100.0 for s in stamps]
+    clean, _ = feed(FrameGate(FrameSampler()), [(s, raw_rgb(s)) for s in stamps])
+
+    frames = [pair for s, o in zip(stamps, other) for pair in ((s, raw_rgb(s)), (o, raw_rgb(o)))]
+    chunks, events = feed(gate, frames)
+
+    assert same_chunks(chunks, clean) and set(events) == {TimeEvent.NONE}
+    assert gate.sampler.stamp_outliers == len(other) - 1  # the last one is still held
+    assert "off the stream clock" in gate.last_error
+
+
+def test_repeated_stamps_are_no_evidence():
+    gate = FrameGate(FrameSampler())
+    feed(gate, [(s, raw_rgb(s)) for s in camera(1.0)])
+    _, events = feed(gate, [(BASE - 5.0, raw_rgb(BASE))] * 5)  # one frame re-sent
+    assert set(events) == {TimeEvent.NONE} and gate.sampler.time_jumps_back == 0
+
+
+def test_evidence_more_than_max_gap_apart_does_not_confirm():
+    gate = FrameGate(FrameSampler(max_gap_s=10.0))
+    feed(gate, [(s, raw_rgb(s)) for s in camera(1.0)])
+    late = [BASE - 1000.0 + 11.0 * k for k in range(4)]  # each 11 s after the previous one
+    _, events = feed(gate, [(s, raw_rgb(s)) for s in late])
+    assert set(events) == {TimeEvent.NONE} and gate.sampler.stamp_outliers == 3
+
+
+def test_an_absurd_first_frame_gives_way_to_the_real_timeline():
+    gate = FrameGate(FrameSampler())
+    absurd = 2_145_916_800.0
+    chunks, events = feed(gate, [(absurd, raw_rgb(absurd))]
+                          + [(s, raw_rgb(s)) for s in camera(2.0)])
+    assert events.count(TimeEvent.JUMP_BACK) == 1
+    assert [c.index for c in chunks] == [0, 1]
+    assert chunks[0].stamps[0] == BASE and chunks[0].times == pytest.approx([0.0, 0.5], abs=1e-6)
+
+
+def test_reset_and_resume_drop_held_evidence():
+    gate = FrameGate(FrameSampler())
+    feed(gate, [(s, raw_rgb(s)) for s in camera(1.0)])
+    feed(gate, [(BASE - 9.0, raw_rgb(BASE)), (BASE - 8.9, raw_rgb(BASE))])
+    gate.sampler.reset()
+    assert gate.sampler.stamp_outliers == 2
+    feed(gate, [(BASE - 9.0, raw_rgb(BASE)), (BASE - 8.9, raw_rgb(BASE))])
+    gate.sampler.resume(BASE, BASE + 0.5, 1)
+    assert gate.sampler.stamp_outliers == 2  # those two started the stream after the reset
+
+
+def test_only_evidence_and_sampled_frames_are_decoded():
+    gate = FrameGate(FrameSampler())
+    decoded = []
+
+    def counting(stamp: float):
+        def decode() -> np.ndarray:
+            decoded.append(round(stamp - BASE, 3))
+            return frame_for(stamp)
+        return decode
+
+    feed(gate, [(s, counting(s)) for s in camera(1.2)])
+    feed(gate, [(s, counting(s)) for s in camera(0.2, start=BASE - 10.0)])  # a jump back
+    assert decoded == [0.0, 0.5, 1.0, -10.0, -9.967, -9.933]
+
+
+def test_a_frame_beyond_the_size_limits_is_refused_at_the_gate():
+    """Any decoder (offline video, benchmarks): the gate checks what it got."""
+    gate = FrameGate(FrameSampler())
+    outcome = gate.push(BASE, lambda: np.zeros((1, 1000, 3), np.uint8))
+    assert "elongated" in outcome.error and gate.bad_frames == 1
+    assert gate.sampler.stream_start is None  # it did not start the stream
+
+
+# --- size limits before decoding --------------------------------------------------------------
+
+
+def test_raw_frames_beyond_the_limits_are_refused_from_their_header():
+    from deltas_ros.frames import MAX_FRAME_PIXELS
+
+    with pytest.raises(FrameError, match="elongated"):
+        decode_raw("mono8", 1, 1_000_000, 1_000_000, bytes(1_000_000))
+    side = int(MAX_FRAME_PIXELS**0.5) + 1
+    with pytest.raises(FrameError, match="larger than the limit"):
+        decode_raw("rgb8", side, side, side * 3, b"")  # refused before the data is looked at
+
+
+def _png_header(width: int, height: int) -> bytes:
+    import struct
+    import zlib
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    body = b"IHDR" + ihdr
+    return (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + body
+            + struct.pack(">I", zlib.crc32(body)))
+
+
+def test_a_png_bomb_is_refused_before_decoding(monkeypatch):
+    def decoded(*args):
+        raise AssertionError("decoded before the size check")
+
+    monkeypatch.setattr(cv2, "imdecode", decoded)
+    with pytest.raises(FrameError, match="30000x30000 pixels is larger than the limit"):
+        decode_compressed("png", _png_header(30000, 30000) + bytes(100_000))
+    with pytest.raises(FrameError, match="elongated"):
+        decode_compressed("png", _png_header(1_000_000, 1))
+
+
+@pytest.mark.parametrize("progressive", [0, 1])
+@pytest.mark.parametrize(("height", "width"), [(1, 1), (17, 300), (480, 640), (1000, 8)])
+def test_compressed_size_reads_jpeg_and_png_headers(height, width, progressive):
+    from deltas_ros.frames import compressed_size
+
+    image = np.random.default_rng(0).integers(0, 255, (height, width, 3), np.uint8)
+    ok, jpeg = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_PROGRESSIVE, progressive])
+    assert ok and compressed_size(jpeg.ravel()) == (height, width)
+    assert compressed_size(np.frombuffer(_encoded(".png", image), np.uint8)) == (height, width)
+
+
+def test_a_truncated_jpeg_is_refused_whatever_the_opencv_build():
+    """OpenCV 4 builds returned truncated JPEGs filled with grey; the end marker is checked."""
+    image = _smooth_rgb(240, 320)
+    data = _encoded(".jpg", image)[:-2000]
+    with pytest.raises(FrameError, match="truncated"):
+        decode_compressed("jpeg", data)
+    padded = _encoded(".jpg", image) + bytes(16)  # zero padding after the end marker is fine
+    assert decode_compressed("jpeg", padded).shape == (240, 320, 3)
+
+
+def test_other_codecs_are_refused_with_the_reason():
+    with pytest.raises(FrameError, match="not PNG or JPEG"):
+        decode_compressed("bmp", _encoded(".bmp", _smooth_rgb()))
+
+
+def test_the_aspect_limit_is_the_models():
+    """The gate refuses exactly the frames smart_resize (the worker) would fail on."""
+    from deltas_ros.chunks import smart_resize
+    from deltas_ros.frames import MAX_ASPECT_RATIO, check_frame_size
+
+    for height, width in [(1, MAX_ASPECT_RATIO), (3, 3 * MAX_ASPECT_RATIO), (MAX_ASPECT_RATIO, 1)]:
+        check_frame_size(height, width)
+        smart_resize(2, height, width, 32, 32 * 32, 4096)
+    for height, width in [(1, MAX_ASPECT_RATIO + 1), (1, 1_000_000)]:
+        with pytest.raises(FrameError, match="elongated"):
+            check_frame_size(height, width)
+        with pytest.raises(ValueError, match="aspect ratio"):
+            smart_resize(2, height, width, 32, 32 * 32, 4096)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cut=st.integers(0, 2000), flips=st.lists(st.tuples(st.integers(0, 2000),
+                                                           st.integers(0, 255)), max_size=4))
+def test_jpeg_header_fuzz_only_raises_frame_error(cut, flips):
+    data = bytearray(_encoded(".jpg", _smooth_rgb(16, 24)))
+    for at, value in flips:
+        data[at % len(data)] = value
+    try:
+        frame = decode_compressed("jpeg", bytes(data[: max(cut, 2)] if cut < len(data) else data))
+    except FrameError:
+        return
+    assert frame.ndim == 3 and frame.shape[2] == 3

@@ -7,9 +7,15 @@ import json
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import rclpy
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import Image
 
 from deltas_ros.replay import replay_bag
 from deltas_ros.synth import write_synth_bag
@@ -149,21 +155,87 @@ def test_cli_replay_loops_with_clock(bag, tmp_path, ros_env):
     assert got["clock"] == 2 * FRAMES
 
 
-def test_replay_stops_cleanly_on_sigint(bag, tmp_path, ros_env):
-    subscriber = subscriber_for(tmp_path, 5, ros_env)
+# Starts the replay as a background job of a non-interactive shell does (CI runners, scripts):
+# with SIGINT ignored, which exec keeps and Python then keeps too. Started so, `replay --loop`
+# once ignored SIGINT for good.
+AS_BACKGROUND_JOB = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                     "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+class Observer:
+    """This process's view of the graph: the replay's publisher, and (optionally) its frames."""
+
+    def __init__(self, subscribe: bool) -> None:
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node("observer", context=self.context)
+        self.stamps: list[tuple[int, int]] = []
+        if subscribe:
+            qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+            self.node.create_subscription(Image, TOPIC, self._on_image, qos)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.thread = threading.Thread(target=self._spin, daemon=True)
+        self.thread.start()
+
+    def _on_image(self, msg: Image) -> None:
+        self.stamps.append((msg.header.stamp.sec, msg.header.stamp.nanosec))
+
+    def _spin(self) -> None:
+        try:
+            while self.context.ok():
+                self.executor.spin_once(timeout_sec=0.05)
+        except ExternalShutdownException:
+            pass
+
+    def wait_for(self, predicate, process: subprocess.Popen, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "condition not reached in time"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.executor.shutdown()
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+        self.thread.join(2)
+
+
+LAST = tuple(expected_stamps()[-1])
+MOMENTS = {  # when to signal: (subscribe?, extra replay arguments, condition)
+    "before a subscriber matched": (False, ["--wait", "60"],
+                                    lambda o: o.node.count_publishers(TOPIC) >= 1),
+    "while publishing": (True, [], lambda o: len(o.stamps) >= 5),
+    "at the loop's wrap": (True, ["--rate", "3"], lambda o: LAST in o.stamps),
+}
+
+
+@pytest.mark.parametrize(("moment", "signum"), [
+    ("before a subscriber matched", signal.SIGINT),
+    ("while publishing", signal.SIGINT),
+    ("at the loop's wrap", signal.SIGINT),
+    ("while publishing", signal.SIGTERM),
+])
+def test_replay_stops_cleanly_on_sigint(bag, ros_env, moment, signum):
+    subscribe, extra, ready = MOMENTS[moment]
+    observer = Observer(subscribe)
     replay = None
     try:
-        replay = start(["-m", "deltas_ros.cli", "replay", str(bag), "--loop"], ros_env)
-        assert len(received(subscriber)["stamps"]) >= 5  # so the replay is publishing by now
-        replay.send_signal(signal.SIGINT)
-        out, err = replay.communicate(timeout=60)
+        replay = start(["-c", AS_BACKGROUND_JOB, "-m", "deltas_ros.cli", "replay", str(bag),
+                        "--loop", *extra], ros_env)
+        observer.wait_for(lambda: ready(observer), replay)
+        replay.send_signal(signum)
+        out, err = replay.communicate(timeout=30)  # it waited forever when the bug was there
     finally:
-        stop(subscriber)
+        observer.close()
         if replay is not None:
             stop(replay)
     assert replay.returncode == 0, err
     stats = json.loads(out.strip().splitlines()[-1])
-    assert stats["interrupted"] and stats["published"][TOPIC] >= 5
+    assert stats["interrupted"]
+    if subscribe:
+        assert stats["published"][TOPIC] >= 5
 
 
 def test_cli_replay_reports_a_missing_bag(tmp_path, ros_env):
