@@ -55,6 +55,7 @@ def node_command(model_dir: Path, topic: str, **overrides: str) -> list[str]:
 def ros_domain(tmp_path_factory) -> Iterator[dict[str, str]]:
     env = {"ROS_DOMAIN_ID": str(random.Random(os.getpid()).randint(101, 200)),
            "ROS_LOG_DIR": str(tmp_path_factory.mktemp("ros_log")),
+           "ROS_HOME": str(tmp_path_factory.mktemp("ros_home")),  # memory_dir's default
            "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
            "PYTHONUNBUFFERED": "1"}
     saved = {k: os.environ.get(k) for k in env}
@@ -512,7 +513,7 @@ def test_saved_memory_continues_bit_identically_after_a_restart(tiny_model_dir, 
     runs = []
     for load in (False, True):
         process = start(tiny_model_dir, ros_domain, reliable_qos="true",
-                        memory_file=str(memory_file), load_on_start=str(load).lower())
+                        memory_dir=str(tmp_path), load_on_start=str(load).lower())
         tester = Tester()
         try:
             tester.wait_ready(process)
