@@ -26,22 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import rclpy
-from builtin_interfaces.msg import Time
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rcl_interfaces.msg import (
-    FloatingPointRange,
-    IntegerRange,
-    ParameterDescriptor,
-    SetParametersResult,
-)
-from rclpy.callback_groups import CallbackGroup, MutuallyExclusiveCallbackGroup
+from diagnostic_msgs.msg import DiagnosticArray
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.clock import Clock, ClockType
-from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
-from std_msgs.msg import Header
 from std_srvs.srv import Trigger
 
 from . import params
@@ -50,46 +42,22 @@ from .memory import StreamingMemory
 from .memory_files import MemoryFiles, MemoryPathError, read_key
 from .model import load_model
 from .msg import DriftScore
+from .ros_adapters import (
+    BoundedCallbackGroup,
+    CameraSubscription,
+    declare_parameters,
+    diagnostics_message,
+    drift_message,
+    to_time_msg,
+)
 from .session import NOT_READY, Session, State
 from .srv import AskMemory, MemoryFile
 
-FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
 SERVICE_QUEUE = 100  # requests held per service beyond those being served; more are dropped
 QUESTION_SLOTS = 4  # questions handed to the worker at once
 # Camera, diagnostics, memory services, parameter services, the question slots, and a spare.
 EXECUTOR_THREADS = QUESTION_SLOTS + 5
 SHUTDOWN_S = 3.0  # on SIGINT/SIGTERM, how long the model may finish its current item
-
-
-def to_time_msg(seconds: float) -> Time:
-    sec = int(seconds // 1)
-    return Time(sec=sec, nanosec=min(int(round((seconds - sec) * 1e9)), 999_999_999))
-
-
-class BoundedCallbackGroup(CallbackGroup):
-    """Callbacks run in parallel, but at most `limit` at once; the rest wait in their queue.
-
-    While the group is full its entities leave the executor's wait set, so nothing spins.
-    """
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit, self.running, self._lock = limit, 0, threading.Lock()
-
-    def can_execute(self, entity: Any) -> bool:
-        with self._lock:
-            return self.running < self.limit
-
-    def beginning_execution(self, entity: Any) -> bool:
-        with self._lock:
-            if self.running < self.limit:
-                self.running += 1
-                return True
-        return False
-
-    def ending_execution(self, entity: Any) -> None:
-        with self._lock:
-            self.running -= 1
 
 
 class MemoryNode(Node):
@@ -99,7 +67,7 @@ class MemoryNode(Node):
         self.session: Session | None = None  # first: destroy_node must work if we raise
         self.stopping = threading.Event()
         super().__init__("deltas_memory", **kwargs)
-        self.values = self._declare_parameters()
+        self.values = declare_parameters(self)
         if problem := params.validate(self.values):
             raise ValueError(problem)
         p = self.values
@@ -125,10 +93,9 @@ class MemoryNode(Node):
         # Steady time: health must be reported even when a replayed /clock stops.
         self.create_timer(1.0, self._on_timer, callback_group=MutuallyExclusiveCallbackGroup(),
                           clock=Clock(clock_type=ClockType.STEADY_TIME))
-        self.camera_group = MutuallyExclusiveCallbackGroup()
-        self.camera_sub, self.camera_reliable, self.silence_logged = None, False, False
-        self.topic = self.resolve_topic_name(p["image_topic"])
-        self._subscribe_camera(p["reliable_qos"] or self._publisher_reliability() is True)
+        self.camera = CameraSubscription(
+            self, CompressedImage if p["compressed"] else Image, p["image_topic"],
+            self._on_frame, p["reliable_qos"])
         self.loader = threading.Thread(target=self._load_model, name="deltas_memory_loader",
                                        daemon=True)
         self.loader.start()
@@ -159,22 +126,6 @@ class MemoryNode(Node):
             f"in {session.files.root}")
 
     # ----------------------------------------------------------------------------- parameters
-    def _declare_parameters(self) -> dict[str, Any]:
-        for param in params.PARAMS:
-            descriptor = ParameterDescriptor(description=param.description,
-                                             read_only=param.read_only)
-            if isinstance(param.default, float) and param.low is not None:
-                descriptor.floating_point_range = [
-                    FloatingPointRange(from_value=param.low, to_value=param.high)]
-            elif isinstance(param.default, int) and not isinstance(param.default, bool) \
-                    and param.low is not None:
-                descriptor.integer_range = [
-                    IntegerRange(from_value=int(param.low), to_value=int(param.high))]
-            if param.choices:
-                descriptor.additional_constraints = "one of: " + ", ".join(param.choices)
-            self.declare_parameter(param.name, param.default, descriptor)
-        return {p.name: self.get_parameter(p.name).value for p in params.PARAMS}
-
     def _on_set_parameters(self, changes) -> SetParametersResult:
         proposed = dict(self.values) | {c.name: c.value for c in changes}
         if problem := params.validate(proposed):
@@ -183,55 +134,6 @@ class MemoryNode(Node):
         return SetParametersResult(successful=True)
 
     # ----------------------------------------------------------------------------- camera
-    def _publisher_reliability(self) -> bool | None:
-        """Whether every camera publisher is reliable (None: no publisher yet)."""
-        found = self.get_publishers_info_by_topic(self.topic)
-        if not found:
-            return None
-        return all(i.qos_profile.reliability == ReliabilityPolicy.RELIABLE for i in found)
-
-    def _subscribe_camera(self, reliable: bool) -> None:
-        """(Re)subscribe. A deep history: the callback is cheap, but it shares the interpreter
-        with the model and may be late by a few hundred ms."""
-        if self.camera_sub is not None:
-            self.destroy_subscription(self.camera_sub)
-        qos = QoSProfile(depth=FRAME_HISTORY, durability=DurabilityPolicy.VOLATILE,
-                         reliability=ReliabilityPolicy.RELIABLE if reliable
-                         else ReliabilityPolicy.BEST_EFFORT)
-        msg_type = CompressedImage if self.values["compressed"] else Image
-        self.camera_sub = self.create_subscription(
-            msg_type, self.topic, self._on_frame, qos, callback_group=self.camera_group,
-            event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible))
-        self.camera_reliable, self.silence_logged = reliable, False
-        self.get_logger().info(f"listening to {self.topic} ({msg_type.__name__}, "
-                               f"{'reliable' if reliable else 'best effort'} QoS)")
-
-    def _follow_camera_qos(self) -> None:
-        """Timer: match a publisher that appeared later (as image_proc does at subscription),
-        and say once why a matched camera may deliver nothing."""
-        if not self.values["reliable_qos"]:
-            wanted = self._publisher_reliability()
-            if wanted is not None and wanted != self.camera_reliable:
-                self._subscribe_camera(wanted)
-                return
-        silent_s = time.monotonic() - max(self.session.last_frame_wall,
-                                          self.session.started_wall)
-        if self.camera_sub.get_publisher_count() and not self.silence_logged \
-                and silent_s > self.values["silence_warn_s"]:
-            self.silence_logged = True
-            self.get_logger().warning(
-                f"a camera publisher is matched on {self.topic} but no frame arrived for "
-                f"{silent_s:.0f} s. Likely cause: large frames over a best-effort subscription "
-                "(Fast DDS's default transports drop them) or a mismatched type/encoding. Fix: "
-                "reliable_qos:=true (or a reliable camera), or FASTDDS_BUILTIN_TRANSPORTS="
-                "LARGE_DATA on both sides")
-
-    def _on_incompatible(self, event) -> None:
-        self.get_logger().error(
-            f"camera QoS incompatible with ours (policy {event.last_policy_kind}): no frames "
-            "will arrive. With reliable_qos:=true a best-effort camera cannot match; check the "
-            "publisher's durability and reliability")
-
     def _on_frame(self, msg: Image | CompressedImage) -> None:
         """Every camera frame: cheap unless sampled. Nothing in a frame may stop the executor:
         anything unexpected is logged and counted."""
@@ -259,13 +161,7 @@ class MemoryNode(Node):
     def _on_chunk_done(self, chunk, result) -> None:
         """Worker thread: record the chunk, then publish its drift."""
         self.session.chunk_done(chunk, result)
-        msg = DriftScore(chunk_index=chunk.index, stream_time=result.time, drift=result.drift,
-                         layer_drift=[float(x) for x in result.layer_drift],
-                         chunk_tokens=result.chunk_tokens, kv_tokens=result.kv_tokens,
-                         evicted_tokens=result.evicted_tokens, forward_ms=result.forward_ms,
-                         signal_ms=result.signal_ms, evict_ms=result.evict_ms)
-        msg.header.stamp = to_time_msg(chunk.stamps[-1])
-        msg.header.frame_id = self.session.frame_id
+        msg = drift_message(chunk, result, self.session.frame_id)
         self.drift_pub.publish(msg)  # after Ctrl-C this raises; the worker counts it and goes on
 
     # ----------------------------------------------------------------------------- services
@@ -336,12 +232,11 @@ class MemoryNode(Node):
     def _on_timer(self) -> None:
         level, message, values = self.session.health()
         device = str(self.session.memory.device) if self.session.ready else self.values["device"]
-        status = DiagnosticStatus(
-            level=bytes([level]), name=f"{self.get_name()}: video memory", message=message,
-            hardware_id=device, values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])
-        self.diag_pub.publish(DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()),
-                                              status=[status]))
-        self._follow_camera_qos()
+        self.diag_pub.publish(diagnostics_message(
+            self.get_clock().now().to_msg(), f"{self.get_name()}: video memory", level, message,
+            device, values))
+        self.camera.follow(self.values["silence_warn_s"],
+                           max(self.session.last_frame_wall, self.session.started_wall))
 
     def stop(self) -> bool:
         """Fail waiting requests, give the model SHUTDOWN_S to finish its item; whether every

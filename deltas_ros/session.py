@@ -231,8 +231,9 @@ class Session:
         """Worker thread: replace the memory with the file's and continue its stream by
         `continue_clock`. Its stream record is checked before the memory is touched."""
         path = self.files.for_loading(path)
-        record = StreamRecord.from_json(
-            read_metadata(path).get("extra", {}).get("stream", {}))
+        extra = read_metadata(path).get("extra", {})
+        record = StreamRecord.from_json(extra.get("stream", {}) if isinstance(extra, dict)
+                                        else extra)
         load_memory(memory, path, **self._key_argument())
         with self.frame_lock:
             discarded = self.worker.discard_chunks() if self.worker else 0
