@@ -259,9 +259,12 @@ def main(args: list[str] | None = None) -> int:
         rclpy.logging.get_logger("deltas_memory").fatal(f"cannot start: {error}")
         rclpy.try_shutdown()
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before the node was up (and before its threads)
+        rclpy.try_shutdown()
+        return 0
     executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
-    executor.add_node(node)
     try:
+        executor.add_node(node)
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass

@@ -338,6 +338,7 @@ class Session:
             "autosaves_failed": counters.failed["autosave"],
             "queue_depth": queue_depth,
             "questions_waiting": worker.questions_waiting,
+            "serving": worker.serving,
             "kv_tokens": stats.kv_tokens,
             "budget_tokens": memory.config.budget_tokens,
             "memory_bytes": stats.kv_bytes + stats.state_bytes,

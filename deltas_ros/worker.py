@@ -151,6 +151,15 @@ class MemoryWorker:
             return self._waiting_chunks()
 
     @property
+    def serving(self) -> str:
+        """What the worker is doing now: "" (idle), "chunk", "ask", or an operation's name."""
+        with self._lock:
+            current = self._current
+        if current is None:
+            return ""
+        return "chunk" if isinstance(current, SampledChunk) else current.kind
+
+    @property
     def questions_waiting(self) -> int:
         """Questions and calls not yet started."""
         with self._lock:
