@@ -71,7 +71,7 @@ PARAMS: tuple[Param, ...] = (
           low=0.5, high=86_400.0),
     Param("max_question_chars", 2000, "Longest question accepted", read_only=False, low=1,
           high=100_000),
-    Param("max_question_s", 30.0,
+    Param("max_question_s", 60.0,
           "Longest a question may hold the model; then the answer so far, marked truncated",
           low=0.1, high=3600.0),
     Param("ask_timeout_s", 120.0, "How long a question may wait for the worker",
