@@ -99,7 +99,8 @@ def continue_clock(record: StreamRecord, live_stamp: float | None,
                    fps: float) -> tuple[float, float, int]:
     """(stream start, last stamp, next index) for FrameSampler.resume after loading `record`.
 
-    The rule: with no camera frame seen yet, the saved stream continues as it was (a restart).
+    The rule: with no chunk from the camera yet (since the start or a reset), the saved stream
+    continues as it was (a restart).
     With a live camera at `live_stamp` on or after the saved last stamp, stream times keep the
     saved start (the time in between is a gap). With a live camera behind the saved stamps (another
     clock: a replay, sim time), the live stream continues the saved one one frame period after its
@@ -141,7 +142,7 @@ class Session:
         self.worker: MemoryWorker | None = None
         self.stats: MemoryStats | None = None  # refreshed on the worker
         self.record: StreamRecord | None = None  # worker thread only
-        self.live_stamp: float | None = None  # newest stamp of a frame the gate took
+        self.live_stamp: float | None = None  # last stamp of the newest chunk the gate made
         self.frame_id = ""
         self.last_result: ChunkResult | None = None
         self.latencies_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
@@ -181,8 +182,8 @@ class Session:
         self.last_frame_wall = time.monotonic()
         with self.frame_lock:
             outcome = self.gate.push(stamp, decode)
-            if not outcome.error:
-                self.live_stamp = stamp
+            if outcome.chunk is not None:  # only accepted frames make chunks: the live clock
+                self.live_stamp = outcome.chunk.stamps[-1]
         worker = self.worker
         if outcome.event is TimeEvent.JUMP_BACK and worker is not None:
             worker.post(self._reset_after_jump, "reset")

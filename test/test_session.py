@@ -148,12 +148,18 @@ def test_chunks_before_ready_are_counted_and_frame_ids_are_bounded(tmp_path):
 def test_a_reset_discards_the_waiting_chunks_of_the_old_stream(running, tiny_model):
     """Finding 5: chunks queued before a reset never enter the new memory."""
     run = running()
-    hold = threading.Event()
-    run.worker.post(lambda memory: hold.wait(60), "hold")  # the model is busy
+    hold, holding = threading.Event(), threading.Event()
+
+    def busy(memory) -> None:
+        holding.set()
+        hold.wait(60)
+
+    run.worker.post(busy, "hold")  # the model is busy
+    assert holding.wait(60)
     run.push(BASE, 3.0)
     assert wait_until(lambda: run.worker.queue_depth == 3)
-    resetting = threading.Thread(target=lambda: results.append(run.call(run.session.reset)))
     results = []
+    resetting = threading.Thread(target=lambda: results.append(run.call(run.session.reset)))
     resetting.start()
     assert wait_until(lambda: run.worker.questions_waiting == 1)
     hold.set()
