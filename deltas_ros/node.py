@@ -53,6 +53,7 @@ from .ros_adapters import (
 from .session import NOT_READY, Session, State
 from .srv import AskMemory, MemoryFile
 
+FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
 SERVICE_QUEUE = 100  # requests held per service beyond those being served; more are dropped
 QUESTION_SLOTS = 4  # questions handed to the worker at once
 # Camera, diagnostics, memory services, parameter services, the question slots, and a spare.
@@ -95,7 +96,7 @@ class MemoryNode(Node):
                           clock=Clock(clock_type=ClockType.STEADY_TIME))
         self.camera = CameraSubscription(
             self, CompressedImage if p["compressed"] else Image, p["image_topic"],
-            self._on_frame, p["reliable_qos"])
+            self._on_frame, p["reliable_qos"], FRAME_HISTORY)
         self.loader = threading.Thread(target=self._load_model, name="deltas_memory_loader",
                                        daemon=True)
         self.loader.start()

@@ -23,8 +23,6 @@ from .frames import SampledChunk
 from .memory import ChunkResult
 from .msg import DriftScore
 
-FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
-
 
 def to_time_msg(seconds: float) -> Time:
     sec = int(seconds // 1)
@@ -106,8 +104,8 @@ class CameraSubscription:
     """
 
     def __init__(self, node: Node, msg_type: type, topic: str, callback: Callable,
-                 forced_reliable: bool) -> None:
-        self.node, self.msg_type, self.callback = node, msg_type, callback
+                 forced_reliable: bool, depth: int) -> None:
+        self.node, self.msg_type, self.callback, self.depth = node, msg_type, callback, depth
         self.topic = node.resolve_topic_name(topic)
         self.forced = forced_reliable
         self.group = MutuallyExclusiveCallbackGroup()
@@ -124,7 +122,7 @@ class CameraSubscription:
     def _subscribe(self, reliable: bool) -> None:
         if self.subscription is not None:
             self.node.destroy_subscription(self.subscription)
-        qos = QoSProfile(depth=FRAME_HISTORY, durability=DurabilityPolicy.VOLATILE,
+        qos = QoSProfile(depth=self.depth, durability=DurabilityPolicy.VOLATILE,
                          reliability=ReliabilityPolicy.RELIABLE if reliable
                          else ReliabilityPolicy.BEST_EFFORT)
         self.subscription = self.node.create_subscription(
