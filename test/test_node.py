@@ -449,90 +449,6 @@ def test_questions_are_validated(raw_node):
     assert not broken.success and "UTF-8" in broken.error
 
 
-def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, ros_domain):
-    process = start(tiny_model_dir, ros_domain, topic="/camera/image_raw/compressed",
-                    compressed="true", reliable_qos="true", use_sim_time="true")
-    tester = Tester(topic="/camera/image_raw/compressed", compressed=True)
-
-    def jpeg(i: int, stamp: float) -> CompressedImage:
-        ok, encoded = cv2.imencode(".jpg", scene(i))
-        data = encoded.tobytes() if i >= 30 else b"\xff\xd8 not really a jpeg"
-        msg = CompressedImage(format="jpeg", data=data)
-        msg.header.stamp = stamp_msg(stamp)
-        return msg
-
-    try:
-        tester.wait_ready(process)
-        tester.stream(4.0, make=jpeg)
-        # A fresh process: its first chunks pay one-time costs (see raw_node).
-        tester.wait_for(lambda: len(tester.drift) >= 2, timeout=120)
-        tester.wait_for(lambda: tester.diagnostics
-                        and tester.diagnostics[-1].header.stamp.sec == int(BASE_STAMP) + 3)
-        _, values = tester.last_status()
-        assert int(values["frames_bad"]) >= 1
-        assert process.poll() is None
-    finally:
-        tester.close()
-        code, err = stop(process, signal.SIGTERM)
-    assert code == 0 and "Traceback" not in err
-
-
-def test_missing_model_refuses_to_start(tmp_path, ros_domain):
-    process = start(tmp_path / "nothing-here", ros_domain)
-    process.wait(timeout=180)
-    assert process.returncode == 1
-    assert "no model at" in process.stderr.read()
-
-
-def test_corrupt_model_stops_the_node_with_the_reason(tmp_path, ros_domain):
-    (tmp_path / "config.json").write_text("{ this is not json")
-    process = start(tmp_path, ros_domain)
-    process.wait(timeout=180)
-    assert process.returncode == 1
-    assert "cannot load the model" in process.stderr.read()
-
-
-def test_sigint_stops_cleanly(raw_node):
-    _, process = raw_node
-    code, err = stop(process)
-    assert code == 0
-    assert "Traceback" not in err
-
-
-def test_saved_memory_continues_bit_identically_after_a_restart(tiny_model_dir, ros_domain,
-                                                                 tmp_path):
-    """Save after 3 s, restart with load_on_start, feed seconds 3-6: the same drift as a node
-    that never stopped, and the chunk indices go on."""
-    memory_file = tmp_path / "memory.safetensors"
-    runs = []
-    for load in (False, True):
-        process = start(tiny_model_dir, ros_domain, reliable_qos="true",
-                        memory_dir=str(tmp_path), load_on_start=str(load).lower())
-        tester = Tester()
-        try:
-            tester.wait_ready(process)
-            if not load:
-                tester.stream(3.0)
-                tester.wait_for(lambda t=tester: len(t.drift) >= 3, timeout=120)
-                time.sleep(0.5)
-                saved = tester.call(tester.node.create_client(
-                    MemoryFile, "/deltas_memory/save_memory"), MemoryFile.Request())
-                assert saved.success and saved.chunks == 3, saved.message
-                assert oct(memory_file.stat().st_mode & 0o777) == "0o600"
-            tester.stream(3.0, start=BASE_STAMP + 3.0)
-            tester.wait_for(lambda t=tester: sum(m.chunk_index >= 3 for m in t.drift) >= 3,
-                            timeout=120)
-            time.sleep(0.5)
-            with tester.lock:
-                runs.append([(m.chunk_index, m.stream_time, m.drift, m.kv_tokens)
-                             for m in tester.drift if m.chunk_index >= 3])
-        finally:
-            tester.close()
-            stop(process)
-    assert [r[0] for r in runs[1]] == [3, 4, 5]
-    assert runs[0] == runs[1]
-
-
 def fresh_status(tester: Tester) -> dict[str, str]:
     """The values of a diagnostics report published after this call."""
     with tester.lock:
@@ -659,3 +575,87 @@ def test_save_after_reset_and_load_while_streaming_keep_the_stream(raw_node, ros
         after_load = [m for m in tester.drift if m.chunk_index >= 3]
     assert after_load and all(m.stream_time > 2.5 for m in after_load)
     assert int(fresh_status(tester)["time_jumps_back"]) == jumps
+
+
+def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, ros_domain):
+    process = start(tiny_model_dir, ros_domain, topic="/camera/image_raw/compressed",
+                    compressed="true", reliable_qos="true", use_sim_time="true")
+    tester = Tester(topic="/camera/image_raw/compressed", compressed=True)
+
+    def jpeg(i: int, stamp: float) -> CompressedImage:
+        ok, encoded = cv2.imencode(".jpg", scene(i))
+        data = encoded.tobytes() if i >= 30 else b"\xff\xd8 not really a jpeg"
+        msg = CompressedImage(format="jpeg", data=data)
+        msg.header.stamp = stamp_msg(stamp)
+        return msg
+
+    try:
+        tester.wait_ready(process)
+        tester.stream(4.0, make=jpeg)
+        # A fresh process: its first chunks pay one-time costs (see raw_node).
+        tester.wait_for(lambda: len(tester.drift) >= 2, timeout=120)
+        tester.wait_for(lambda: tester.diagnostics
+                        and tester.diagnostics[-1].header.stamp.sec == int(BASE_STAMP) + 3)
+        _, values = tester.last_status()
+        assert int(values["frames_bad"]) >= 1
+        assert process.poll() is None
+    finally:
+        tester.close()
+        code, err = stop(process, signal.SIGTERM)
+    assert code == 0 and "Traceback" not in err
+
+
+def test_missing_model_refuses_to_start(tmp_path, ros_domain):
+    process = start(tmp_path / "nothing-here", ros_domain)
+    process.wait(timeout=180)
+    assert process.returncode == 1
+    assert "no model at" in process.stderr.read()
+
+
+def test_corrupt_model_stops_the_node_with_the_reason(tmp_path, ros_domain):
+    (tmp_path / "config.json").write_text("{ this is not json")
+    process = start(tmp_path, ros_domain)
+    process.wait(timeout=180)
+    assert process.returncode == 1
+    assert "cannot load the model" in process.stderr.read()
+
+
+def test_sigint_stops_cleanly(raw_node):
+    _, process = raw_node
+    code, err = stop(process)
+    assert code == 0
+    assert "Traceback" not in err
+
+
+def test_saved_memory_continues_bit_identically_after_a_restart(tiny_model_dir, ros_domain,
+                                                                 tmp_path):
+    """Save after 3 s, restart with load_on_start, feed seconds 3-6: the same drift as a node
+    that never stopped, and the chunk indices go on."""
+    memory_file = tmp_path / "memory.safetensors"
+    runs = []
+    for load in (False, True):
+        process = start(tiny_model_dir, ros_domain, reliable_qos="true",
+                        memory_dir=str(tmp_path), load_on_start=str(load).lower())
+        tester = Tester()
+        try:
+            tester.wait_ready(process)
+            if not load:
+                tester.stream(3.0)
+                tester.wait_for(lambda t=tester: len(t.drift) >= 3, timeout=120)
+                time.sleep(0.5)
+                saved = tester.call(tester.node.create_client(
+                    MemoryFile, "/deltas_memory/save_memory"), MemoryFile.Request())
+                assert saved.success and saved.chunks == 3, saved.message
+                assert oct(memory_file.stat().st_mode & 0o777) == "0o600"
+            tester.stream(3.0, start=BASE_STAMP + 3.0)
+            tester.wait_for(lambda t=tester: sum(m.chunk_index >= 3 for m in t.drift) >= 3,
+                            timeout=120)
+            time.sleep(0.5)
+            with tester.lock:
+                runs.append([(m.chunk_index, m.stream_time, m.drift, m.kv_tokens)
+                             for m in tester.drift if m.chunk_index >= 3])
+        finally:
+            tester.close()
+            stop(process)
+    assert [r[0] for r in runs[1]] == [3, 4, 5]
+    assert runs[0] == runs[1]
