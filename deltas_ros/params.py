@@ -36,9 +36,8 @@ PARAMS: tuple[Param, ...] = (
           "Camera topic: sensor_msgs/Image, or sensor_msgs/CompressedImage when compressed"),
     Param("compressed", False, "Subscribe to sensor_msgs/CompressedImage (JPEG/PNG)"),
     Param("reliable_qos", False,
-          "Reliable QoS instead of sensor-data (best effort, REP 2003). Best effort over "
-          "Fast DDS's default transports loses large frames: set "
-          "FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA or use reliable"),
+          "true: always subscribe reliable. false: follow the camera's publisher (reliable if "
+          "it is, else best effort as REP 2003 sensor data; best effort until one appears)"),
     Param("fps", 2.0, "Frames sampled per second of stream time (by header stamp)",
           low=0.1, high=30.0),
     Param("frames_per_chunk", 2,
@@ -72,11 +71,20 @@ PARAMS: tuple[Param, ...] = (
           low=0.5, high=86_400.0),
     Param("max_question_chars", 2000, "Longest question accepted", read_only=False, low=1,
           high=100_000),
+    Param("max_question_s", 60.0,
+          "Longest a question may hold the model; then the answer so far, marked truncated",
+          low=0.1, high=3600.0),
     Param("ask_timeout_s", 120.0, "How long a question may wait for the worker",
           read_only=False, low=0.1, high=3600.0),
+    Param("memory_dir", "",
+          "The only directory memory files are read from and written to "
+          "(empty: $ROS_HOME/deltas_ros; created at start)"),
     Param("memory_file", "",
-          "File for ~/save_memory and ~/load_memory "
-          "(empty: $ROS_HOME/deltas_ros/memory.safetensors)"),
+          "Default file name in memory_dir for ~/save_memory, ~/load_memory, autosave and "
+          "load_on_start (empty: memory.safetensors)"),
+    Param("memory_key_file", "",
+          "File holding the key of memory files' keyed checksum, readable only by the node's "
+          "user (empty: unkeyed sha256)"),
     Param("autosave_chunks", 0, "Save the memory every N chunks (0 = never)", read_only=False,
           low=0, high=10_000_000),
     Param("load_on_start", False,

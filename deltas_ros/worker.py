@@ -5,9 +5,14 @@ video. So one worker thread owns the `StreamingMemory`; callers hand it work:
 
 - `submit_chunk` never blocks: when `queue_chunks` chunks are already waiting, the oldest one is
   dropped and counted (under overload the memory keeps the newest video, as a camera would).
-- `ask` and `reset` block the calling thread (a service callback) until the worker has served
-  them. Questions are served before waiting chunks, in order of arrival; resets keep their place
-  among the chunks so that a chunk from before a time jump never lands after the reset.
+- `ask`, `call` and `reset` block the calling thread (a service callback) until the worker has
+  served them, and return what the worker computed (nothing of the memory is read from another
+  thread). Questions and calls are served before waiting chunks, in order of arrival; resets and
+  `post`ed operations keep their place among the chunks, so that a chunk from before a time jump
+  never lands after the reset and an autosave runs between two chunks, never inside a report.
+- A failure is counted under the name of what failed (`questions_failed`, `failed["save"]`, ...);
+  a ValueError is the caller's mistake (an empty question, a file refused): returned to the
+  caller and counted in `requests_refused`, not as a failure.
 
 No rclpy here: the node wires callbacks to it, tests drive it directly.
 """
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,22 +36,27 @@ class WorkerCounters:
     chunks_dropped: int = 0
     chunks_failed: int = 0
     reports_failed: int = 0  # on_chunk raised: the chunk is in memory, its report is lost
+    chunks_discarded: int = 0  # waiting chunks of a stream that a reset or load ended
     questions_answered: int = 0
     questions_failed: int = 0
+    requests_refused: int = 0  # the caller's mistakes (ValueError): not failures
     resets: int = 0
+    failed: Counter = field(default_factory=Counter)  # other operations, by name
     last_error: str = ""
     last_error_time: float = 0.0  # time.monotonic() of the last failure
 
 
 @dataclass
 class _Request:
-    kind: str  # "ask", "reset" or "call"
+    kind: str  # "ask", "reset" or the name of a call or posted operation ("save", ...)
     question: str = ""
     max_new_tokens: int | None = None
     function: Callable[[StreamingMemory], Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     answer: Any = None
     error: str = ""
+    started: bool = False
+    waited: bool = True  # False: posted, nobody waits for the result
 
 
 class MemoryWorker:
@@ -69,6 +79,7 @@ class MemoryWorker:
         self._poll_s = poll_s
         self._lock = threading.Condition()
         self._stopping = False
+        self._current: SampledChunk | _Request | None = None  # the item being served
         self._thread = threading.Thread(target=self._run, name="deltas_memory_worker",
                                         daemon=True)
         self._thread.start()
@@ -93,14 +104,38 @@ class MemoryWorker:
         request = self._submit(_Request("ask", question, max_new_tokens), self._questions)
         return self._wait(request, timeout_s)
 
-    def call(self, function: Callable[[StreamingMemory], Any], timeout_s: float) -> Any:
+    def call(self, function: Callable[[StreamingMemory], Any], timeout_s: float,
+             name: str = "call") -> Any:
         """Run function(memory) on the worker between chunks (like a question); its result.
 
         For whole-memory operations such as saving and loading, which must not interleave with
-        a chunk.
+        a chunk. A failure other than ValueError is counted in `counters.failed[name]`.
         """
-        request = self._submit(_Request("call", function=function), self._questions)
+        request = self._submit(_Request(name, function=function), self._questions)
         return self._wait(request, timeout_s)
+
+    def post(self, function: Callable[[StreamingMemory], Any], name: str,
+             coalesce: bool = False) -> bool:
+        """Queue function(memory) in order with the chunks, without waiting (from the worker's
+        own report callback, or a camera callback). coalesce: not if one of this name already
+        waits. Returns whether it was queued."""
+        with self._lock:
+            if self._stopping or coalesce and any(
+                    isinstance(item, _Request) and item.kind == name for item in self._chunks):
+                return False
+            self._chunks.append(_Request(name, function=function, waited=False))
+            self._lock.notify()
+        return True
+
+    def discard_chunks(self) -> int:
+        """Drop every waiting chunk (counted in chunks_discarded); from a worker operation that
+        ends the stream they belong to (reset, load). Queued operations stay."""
+        with self._lock:
+            kept = deque(item for item in self._chunks if not isinstance(item, SampledChunk))
+            discarded = len(self._chunks) - len(kept)
+            self._chunks = kept
+            self.counters.chunks_discarded += discarded
+        return discarded
 
     def reset(self, timeout_s: float) -> None:
         """Forget everything, in order with the chunks already queued."""
@@ -116,17 +151,32 @@ class MemoryWorker:
             return self._waiting_chunks()
 
     @property
+    def serving(self) -> str:
+        """What the worker is doing now: "" (idle), "chunk", "ask", or an operation's name."""
+        with self._lock:
+            current = self._current
+        if current is None:
+            return ""
+        return "chunk" if isinstance(current, SampledChunk) else current.kind
+
+    @property
     def questions_waiting(self) -> int:
         """Questions and calls not yet started."""
         with self._lock:
             return len(self._questions)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Finish the item in progress, fail waiting questions, and join the thread."""
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Fail waiting requests and the one in progress (its caller returns at once), let the
+        item in progress finish, and join the thread; whether it ended within timeout_s."""
         with self._lock:
             self._stopping = True
+            current = self._current
             self._lock.notify_all()
+        if isinstance(current, _Request):
+            current.error = "the memory is shutting down"
+            current.done.set()
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     # --------------------------------------------------------------------- worker's side
     def _submit(self, request: _Request, queue: deque) -> _Request:
@@ -144,10 +194,21 @@ class MemoryWorker:
                     position = next((i for i, item in enumerate(queue) if item is request), None)
                     if position is not None:
                         del queue[position]
-            raise TimeoutError(f"no answer within {timeout_s:.1f} s (the worker is busy)")
+                why = self._why_late(request)
+            raise TimeoutError(f"no answer within {timeout_s:.1f} s ({why})")
         if request.error:
             raise RuntimeError(request.error)
         return request.answer
+
+    def _why_late(self, request: _Request) -> str:
+        """Waiting behind other work, or being served when the time ran out (lock held)."""
+        if request.started:
+            return f"the {request.kind} was still running: the timeout is shorter than it takes"
+        current = self._current
+        if current is None:
+            return "the worker had not picked it up yet: the timeout is very short"
+        doing = "a chunk" if isinstance(current, SampledChunk) else f"a {current.kind}"
+        return f"the worker is busy with {doing}"
 
     def _waiting_chunks(self) -> int:
         return sum(isinstance(item, SampledChunk) for item in self._chunks)
@@ -159,7 +220,10 @@ class MemoryWorker:
                 self._lock.wait(self._poll_s)
             if self._stopping:
                 return None
-            return (self._questions or self._chunks).popleft()
+            self._current = (self._questions or self._chunks).popleft()
+            if isinstance(self._current, _Request):
+                self._current.started = True
+            return self._current
 
     def _run(self) -> None:
         while (item := self._next()) is not None:
@@ -167,6 +231,8 @@ class MemoryWorker:
                 self._process_chunk(item)
             else:
                 self._serve(item)
+            with self._lock:
+                self._current = None
         with self._lock:
             pending = list(self._questions) + [i for i in self._chunks
                                                if isinstance(i, _Request)]
@@ -179,7 +245,8 @@ class MemoryWorker:
         try:
             result = self.memory.add_chunk(chunk.frames, chunk.times, stamp=chunk.stamps[-1])
         except Exception as error:  # a failed chunk must not stop the worker
-            self._failed("chunks_failed", f"chunk {chunk.index} failed: {error}")
+            self.counters.chunks_failed += 1
+            self._note_error(f"chunk {chunk.index} failed: {error}")
             return
         finally:
             self.busy_s += time.perf_counter() - start
@@ -187,27 +254,36 @@ class MemoryWorker:
         try:
             self.on_chunk(chunk, result)
         except Exception as error:  # a broken report must not stop the memory either
-            self._failed("reports_failed", f"reporting chunk {chunk.index} failed: {error}")
+            self.counters.reports_failed += 1
+            self._note_error(f"reporting chunk {chunk.index} failed: {error}")
 
     def _serve(self, request: _Request) -> None:
         try:
             if request.kind == "ask":
                 request.answer = self.memory.ask(request.question, request.max_new_tokens)
                 self.counters.questions_answered += 1
-            elif request.kind == "call":
-                request.answer = request.function(self.memory)
-            else:
+            elif request.function is None:  # reset()
                 self.memory.reset()
                 self.counters.resets += 1
-        except (ValueError, OSError) as error:  # the caller's: empty question, missing file
-            request.error = str(error)
+            else:
+                request.answer = request.function(self.memory)
         except Exception as error:  # reported to the caller; the worker goes on
+            # A caller's mistake (an empty question, a refused file) is not a failure; a posted
+            # operation (an autosave) has no caller, so there every error is one.
+            if isinstance(error, ValueError) and request.waited:
+                request.error = str(error)
+                self.counters.requests_refused += 1
+                return
             request.error = f"{request.kind} failed: {error}"
-            self._failed("questions_failed", request.error)
+            if request.kind == "ask":
+                self.counters.questions_failed += 1
+            else:
+                self.counters.failed[request.kind] += 1
+            self._note_error(request.error)
         finally:
             request.done.set()
 
-    def _failed(self, counter: str, message: str) -> None:
-        setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+    def _note_error(self, message: str) -> None:
+        """The newest failure, for diagnostics (ERROR for a while)."""
         self.counters.last_error = message
         self.counters.last_error_time = time.monotonic()

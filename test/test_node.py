@@ -30,6 +30,7 @@ from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CompressedImage, Image
 from std_srvs.srv import Trigger
 
+from deltas_ros.memory_files import read_metadata
 from deltas_ros.node import QUESTION_SLOTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,6 +56,7 @@ def node_command(model_dir: Path, topic: str, **overrides: str) -> list[str]:
 def ros_domain(tmp_path_factory) -> Iterator[dict[str, str]]:
     env = {"ROS_DOMAIN_ID": str(random.Random(os.getpid()).randint(101, 200)),
            "ROS_LOG_DIR": str(tmp_path_factory.mktemp("ros_log")),
+           "ROS_HOME": str(tmp_path_factory.mktemp("ros_home")),  # memory_dir's default
            "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
            "PYTHONUNBUFFERED": "1"}
     saved = {k: os.environ.get(k) for k in env}
@@ -447,6 +449,134 @@ def test_questions_are_validated(raw_node):
     assert not broken.success and "UTF-8" in broken.error
 
 
+def fresh_status(tester: Tester) -> dict[str, str]:
+    """The values of a diagnostics report published after this call."""
+    with tester.lock:
+        seen = len(tester.diagnostics)
+    tester.wait_for(lambda: len(tester.diagnostics) >= seen + 2)
+    return tester.last_status()[1]
+
+
+def file_client(tester: Tester, service: str):
+    return tester.node.create_client(MemoryFile, f"/deltas_memory/{service}")
+
+
+def test_attacks_over_dds_are_refused_and_leave_the_memory_bit_identical(raw_node, ros_domain,
+                                                                        tmp_path):
+    """Issue 13 findings 2, 8, 11: saves outside memory_dir or over a file that is not a memory
+    file, answers longer than the parameter's range, empty questions and a 1 MB frame_id are
+    refused or bounded; the drift of the stream they hit equals a run without them."""
+    tester, _ = raw_node
+    memory_dir = Path(ros_domain["ROS_HOME"]) / "deltas_ros"
+    notes = memory_dir / "notes.txt"
+    notes.write_text("not a memory")
+    (memory_dir / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    save = file_client(tester, "save_memory")
+    replies = []
+
+    def attack() -> None:
+        for path in (str(tmp_path / "evil.safetensors"), "../evil.safetensors", "notes.txt",
+                     "link.safetensors", "new_folder/evil.safetensors"):
+            replies.append(tester.call(save, MemoryFile.Request(path=path)))
+        replies.append(tester.ask("what do you see?", max_new_tokens=2**32 - 1))
+        replies.append(tester.ask("what do you see?", max_new_tokens=65535))
+        replies.append(tester.ask(" "))
+
+    def huge_frame_id(i: int, stamp: float) -> Image:
+        msg = raw_frame(i, stamp)
+        msg.header.frame_id = "f" * 1_000_000 if i >= 60 else "camera"
+        return msg
+
+    runs = []
+    for attacked in (False, True):
+        tester.reset()
+        thread = threading.Thread(target=attack, daemon=True)
+
+        def on_frame(i: int, attacked=attacked, thread=thread) -> None:
+            if attacked and i == 30:  # 1 s into the stream, from another thread
+                thread.start()
+
+        tester.stream(3.0, make=huge_frame_id, on_frame=on_frame)
+        if attacked:
+            thread.join(120)
+        tester.wait_for(lambda: len(tester.drift) >= 3, timeout=120)
+        time.sleep(0.5)
+        with tester.lock:
+            runs.append([(m.chunk_index, m.drift, m.kv_tokens) for m in tester.drift])
+            frame_ids = [m.header.frame_id for m in tester.drift]
+    assert runs[0] == runs[1]  # bit-identical: nothing the attacks did reached the memory
+    assert len(replies) == 8 and not any(r.success for r in replies)
+    assert all("outside memory_dir" in r.message or "'..'" in r.message
+               for r in replies[:2]), [r.message for r in replies]
+    assert "not a deltas_ros memory file" in replies[2].message
+    assert "outside memory_dir" in replies[3].message and "does not exist" in replies[4].message
+    assert "limit 4096" in replies[5].error and "limit 4096" in replies[6].error
+    assert notes.read_text() == "not a memory"
+    assert not (tmp_path / "evil.safetensors").exists()
+    assert not (tmp_path / "outside.safetensors").exists()
+    assert not (memory_dir / "new_folder").exists()
+    assert max(len(f) for f in frame_ids) <= 256
+    # Client mistakes are counted apart and are no failure: diagnostics do not turn ERROR.
+    status = tester.wait_for_status(lambda s: int(status_values(s)["questions_refused"]) >= 3)
+    values = status_values(status)
+    assert status.level != DiagnosticStatus.ERROR and values["questions_failed"] == "0"
+    assert int(values["requests_refused"]) >= 5 and values["saves_failed"] == "0"
+
+
+def test_a_tiny_ask_timeout_on_an_idle_node_does_not_say_busy(raw_node):
+    tester, _ = raw_node
+
+    def set_timeout(value: float) -> None:
+        request = SetParameters.Request(parameters=[Parameter(
+            name="ask_timeout_s", value=ParameterValue(type=ParameterType.PARAMETER_DOUBLE,
+                                                       double_value=value))])
+        assert tester.call(tester.params_client, request).results[0].successful
+
+    tester.reset()
+    set_timeout(0.1)
+    try:
+        reply = tester.ask("what do you see?", max_new_tokens=64)
+    finally:
+        set_timeout(120.0)
+    assert not reply.success and "no answer within 0.1 s" in reply.error
+    assert "busy" not in reply.error, reply.error
+
+
+def test_save_after_reset_and_load_while_streaming_keep_the_stream(raw_node, ros_domain):
+    """Findings 3 and 4 over DDS: a save right after a reset records an empty stream; a load
+    while the camera streams continues the loaded stream (indices go on from the file's, no
+    jump back, the loaded chunks are still in memory)."""
+    tester, _ = raw_node
+    save, load = file_client(tester, "save_memory"), file_client(tester, "load_memory")
+    tester.reset()
+    tester.stream(3.0)
+    tester.wait_for(lambda: len(tester.drift) >= 3, timeout=120)
+    saved = tester.call(save, MemoryFile.Request(path="three.safetensors"), timeout=120)
+    assert saved.success and saved.chunks == 3, saved.message
+    tester.reset()
+    empty = tester.call(save, MemoryFile.Request(path="empty.safetensors"), timeout=120)
+    assert empty.success and empty.chunks == 0, empty.message
+    jumps = int(fresh_status(tester)["time_jumps_back"])
+
+    memory_dir = Path(ros_domain["ROS_HOME"]) / "deltas_ros"
+    assert read_metadata(memory_dir / "empty.safetensors")["extra"]["stream"] == {}
+
+    # The live camera is on a clock behind the file's (its stamps before the file's last one):
+    # its next frame after the load must not count as a jump back and wipe what was loaded.
+    loaded = []
+    tester.stream(1.0, start=BASE_STAMP - 100.0)
+    tester.wait_for(lambda: len(tester.drift) >= 1, timeout=120)
+    tester.stream(3.0, start=BASE_STAMP - 99.0, on_frame=lambda i: i == 15 and loaded.append(
+        tester.call(load, MemoryFile.Request(path="three.safetensors"), timeout=120)))
+    assert loaded[0].success and loaded[0].chunks == 3, loaded[0].message
+    final = tester.call(save, MemoryFile.Request(path="after.safetensors"), timeout=120)
+    assert final.success and final.chunks >= 4, final.message  # the loaded 3, and more
+    with tester.lock:
+        after_load = [m for m in tester.drift if m.chunk_index >= 3]
+    assert after_load and all(m.stream_time > 2.5 for m in after_load)
+    assert int(fresh_status(tester)["time_jumps_back"]) == jumps
+
+
 def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, ros_domain):
     process = start(tiny_model_dir, ros_domain, topic="/camera/image_raw/compressed",
                     compressed="true", reliable_qos="true", use_sim_time="true")
@@ -473,13 +603,6 @@ def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, ros_domain):
         tester.close()
         code, err = stop(process, signal.SIGTERM)
     assert code == 0 and "Traceback" not in err
-
-
-def test_bad_parameters_refuse_to_start_with_a_clear_message(tiny_model_dir, ros_domain):
-    process = start(tiny_model_dir, ros_domain, budget_tokens="100", window_tokens="200")
-    process.wait(timeout=180)
-    assert process.returncode == 1
-    assert "budget_tokens (100) must be at least" in process.stderr.read()
 
 
 def test_missing_model_refuses_to_start(tmp_path, ros_domain):
@@ -512,7 +635,7 @@ def test_saved_memory_continues_bit_identically_after_a_restart(tiny_model_dir, 
     runs = []
     for load in (False, True):
         process = start(tiny_model_dir, ros_domain, reliable_qos="true",
-                        memory_file=str(memory_file), load_on_start=str(load).lower())
+                        memory_dir=str(tmp_path), load_on_start=str(load).lower())
         tester = Tester()
         try:
             tester.wait_ready(process)

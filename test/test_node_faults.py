@@ -23,6 +23,7 @@ from test_node import SMALL, Tester
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
 from deltas_ros import node as node_module
+from deltas_ros import session as session_module
 from deltas_ros.node import EXECUTOR_THREADS, NOT_READY, QUESTION_SLOTS, MemoryNode
 
 
@@ -31,7 +32,8 @@ def node_in_process(model_dir: Path, **overrides: str) -> Iterator[MemoryNode]:
     """MemoryNode spun by a MultiThreadedExecutor on a thread, as `main` spins it."""
     context = rclpy.Context()
     rclpy.init(context=context)
-    values = {"model_path": str(model_dir), "reliable_qos": True, "max_new_tokens": 4} | {
+    values = {"model_path": str(model_dir), "reliable_qos": True, "max_new_tokens": 4,
+              "memory_dir": str(model_dir.parent / "memory")} | {
         key: type_of(key)(value) for key, value in (SMALL | overrides).items()}
     node = MemoryNode(context=context,
                       parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
@@ -63,7 +65,7 @@ def type_of(name: str) -> type:
 
 def wait_ready(tester: Tester, node: MemoryNode) -> None:
     """The model is loaded and the camera matched: frames sent before that would be lost."""
-    wait_until(lambda: node.worker is not None and tester.camera.get_subscription_count() > 0)
+    wait_until(lambda: node.session.ready and tester.camera.get_subscription_count() > 0)
 
 
 def statuses(tester: Tester) -> list[tuple[int, str]]:
@@ -110,7 +112,7 @@ def test_services_answer_not_ready_while_the_model_loads(tiny_model_dir, ros_env
 
 def test_a_chunk_that_runs_out_of_memory_turns_diagnostics_error_and_the_node_goes_on(
         tiny_model_dir, ros_env, monkeypatch):
-    monkeypatch.setattr(node_module, "ERROR_HOLD_S", 2.0)  # 10 s on a robot
+    monkeypatch.setattr(session_module, "ERROR_HOLD_S", 2.0)  # 10 s on a robot
     tester = Tester()
     try:
         with node_in_process(tiny_model_dir, silence_warn_s="30.0") as node:
@@ -120,7 +122,7 @@ def test_a_chunk_that_runs_out_of_memory_turns_diagnostics_error_and_the_node_go
             tester.wait_for(lambda: len(tester.drift) >= 4, timeout=120)
             assert calls[:3] == [1, 2, 3]
             assert [m.chunk_index for m in tester.drift][:4] == [0, 1, 3, 4]
-            assert node.worker.counters.chunks_failed == 1
+            assert node.session.worker.counters.chunks_failed == 1
             wait_until(lambda: any(level == DiagnosticStatus.ERROR for level, _ in
                                    statuses(tester)))
             error = next(m for lvl, m in statuses(tester) if lvl == DiagnosticStatus.ERROR)
@@ -142,7 +144,7 @@ def test_questions_asked_together_are_answered_before_waiting_chunks(tiny_model_
     try:
         with node_in_process(tiny_model_dir, queue_chunks="8") as node:
             wait_ready(tester, node)
-            memory = node.memory
+            memory, worker = node.session.memory, node.session.worker
             add_chunk, ask = memory.add_chunk, memory.ask
 
             def slow_chunk(*args, **kwargs):
@@ -156,7 +158,7 @@ def test_questions_asked_together_are_answered_before_waiting_chunks(tiny_model_
 
             memory.add_chunk, memory.ask = slow_chunk, logged_ask
             tester.stream(6.0, speed=2.0)  # six chunks in 3 s
-            wait_until(lambda: node.worker.queue_depth >= 2)
+            wait_until(lambda: worker.queue_depth >= 2)
             answers = []
             planners = [threading.Thread(target=lambda: answers.append(
                 tester.ask("what do you see?", timeout=120))) for _ in range(QUESTION_SLOTS)]

@@ -41,7 +41,7 @@ def test_a_long_sped_up_stream_loses_nothing_uncounted_and_stays_flat(tiny_model
                                                                       tmp_path):
     process = start(tiny_model_dir, ros_env, reliable_qos="true", use_sim_time="true",
                     budget_tokens=str(BUDGET), silence_warn_s="30.0",
-                    memory_file=str(tmp_path / "memory.safetensors"))
+                    memory_dir=str(tmp_path))
     tester = Tester()
     try:
         tester.wait_ready(process)

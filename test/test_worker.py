@@ -220,3 +220,93 @@ def test_a_failing_report_is_counted_and_the_worker_goes_on():
     worker.stop()
     assert worker.counters.chunks_processed == 2 and worker.counters.reports_failed == 1
     assert "context is invalid" in worker.counters.last_error
+
+
+def test_failures_are_counted_by_what_failed_and_caller_mistakes_are_not_failures():
+    memory = FakeMemory()
+    memory.gate.set()
+    worker, _ = make_worker(memory)
+
+    def disk_full(mem):
+        raise OSError("No space left on device")
+
+    with pytest.raises(RuntimeError, match="save failed: No space"):
+        worker.call(disk_full, timeout_s=5, name="save")
+    with pytest.raises(RuntimeError, match="empty"):
+        worker.ask("", None, timeout_s=5)
+    worker.stop()
+    counters = worker.counters
+    assert counters.failed == {"save": 1} and counters.questions_failed == 0
+    assert counters.requests_refused == 1 and "save failed" in counters.last_error
+
+
+def test_posted_operations_keep_their_place_and_coalesce():
+    memory = FakeMemory()  # gate closed: stuck in chunk 0
+    worker, _ = make_worker(memory, queue=10)
+    worker.submit_chunk(chunk(0))
+    assert memory.busy.wait(5)
+    assert worker.post(lambda mem: mem.log.append(("save",)), "autosave", coalesce=True)
+    assert not worker.post(lambda mem: mem.log.append(("save",)), "autosave", coalesce=True)
+    worker.submit_chunk(chunk(1))
+    memory.gate.set()
+    assert wait_until(lambda: len(memory.log) >= 3)
+    worker.stop()
+    assert memory.log == [("chunk", 0), ("save",), ("chunk", 1)]
+
+
+def test_discarding_drops_waiting_chunks_only_and_counts_them():
+    memory = FakeMemory()  # gate closed
+    worker, done = make_worker(memory, queue=10)
+    worker.submit_chunk(chunk(0))
+    assert memory.busy.wait(5)
+    worker.submit_chunk(chunk(1))
+    worker.request_reset()
+    worker.submit_chunk(chunk(2))
+    assert worker.discard_chunks() == 2 and worker.queue_depth == 0
+    memory.gate.set()
+    assert wait_until(lambda: ("reset",) in memory.log)
+    worker.stop()
+    assert done == [0] and worker.counters.chunks_discarded == 2
+
+
+def test_a_tiny_timeout_on_an_idle_worker_does_not_say_busy():
+    memory = FakeMemory()
+    memory.gate.set()
+    worker, _ = make_worker(memory)
+    started = threading.Event()
+
+    def slow(mem):
+        started.set()
+        time.sleep(0.5)
+
+    with pytest.raises(TimeoutError) as caught:
+        worker.call(slow, timeout_s=0.1, name="save")
+    assert "busy" not in str(caught.value) and "still running" in str(caught.value)
+    assert started.is_set()
+    memory.gate.clear()
+    worker.submit_chunk(chunk(0))  # now busy with a chunk: that is what it says
+    assert memory.busy.wait(5)
+    with pytest.raises(TimeoutError, match="busy with"):
+        worker.ask("anyone?", None, timeout_s=0.2)
+    memory.gate.set()
+    worker.stop()
+
+
+def test_stop_releases_the_caller_of_the_request_in_progress():
+    memory = FakeMemory()
+    memory.gate.set()
+    worker, _ = make_worker(memory)
+    release, running, errors = threading.Event(), threading.Event(), []
+
+    def long_question(mem):
+        running.set()
+        release.wait(30)
+
+    caller = threading.Thread(target=lambda: errors.append(pytest.raises(
+        RuntimeError, worker.call, long_question, 30, "ask_like")))
+    caller.start()
+    assert running.wait(5)
+    assert not worker.stop(timeout_s=0.2)  # the item is still running
+    caller.join(5)
+    assert not caller.is_alive() and "shutting down" in str(errors[0].value)
+    release.set()

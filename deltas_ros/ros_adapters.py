@@ -1,0 +1,158 @@
+"""The node's ROS plumbing that is not wiring: message builders, parameter declaration, a
+callback group that bounds how many service callbacks run at once, and the camera subscription
+whose QoS follows the camera."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from builtin_interfaces.msg import Time
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rclpy.callback_groups import CallbackGroup, MutuallyExclusiveCallbackGroup
+from rclpy.event_handler import SubscriptionEventCallbacks
+from rclpy.node import Node
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from std_msgs.msg import Header
+
+from . import params
+from .frames import SampledChunk
+from .memory import ChunkResult
+from .msg import DriftScore
+
+
+def to_time_msg(seconds: float) -> Time:
+    sec = int(seconds // 1)
+    return Time(sec=sec, nanosec=min(int(round((seconds - sec) * 1e9)), 999_999_999))
+
+
+class BoundedCallbackGroup(CallbackGroup):
+    """Callbacks run in parallel, but at most `limit` at once; the rest wait in their queue.
+
+    While the group is full its entities leave the executor's wait set, so nothing spins.
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.running, self._lock = limit, 0, threading.Lock()
+
+    def can_execute(self, entity: Any) -> bool:
+        with self._lock:
+            return self.running < self.limit
+
+    def beginning_execution(self, entity: Any) -> bool:
+        with self._lock:
+            if self.running < self.limit:
+                self.running += 1
+                return True
+        return False
+
+    def ending_execution(self, entity: Any) -> None:
+        with self._lock:
+            self.running -= 1
+
+
+def declare_parameters(node: Node) -> dict[str, Any]:
+    """Declare params.PARAMS on `node` with descriptions and ranges; their values."""
+    for param in params.PARAMS:
+        descriptor = ParameterDescriptor(description=param.description,
+                                         read_only=param.read_only)
+        if isinstance(param.default, float) and param.low is not None:
+            descriptor.floating_point_range = [
+                FloatingPointRange(from_value=param.low, to_value=param.high)]
+        elif isinstance(param.default, int) and not isinstance(param.default, bool) \
+                and param.low is not None:
+            descriptor.integer_range = [
+                IntegerRange(from_value=int(param.low), to_value=int(param.high))]
+        if param.choices:
+            descriptor.additional_constraints = "one of: " + ", ".join(param.choices)
+        node.declare_parameter(param.name, param.default, descriptor)
+    return {p.name: node.get_parameter(p.name).value for p in params.PARAMS}
+
+
+def drift_message(chunk: SampledChunk, result: ChunkResult, frame_id: str) -> DriftScore:
+    msg = DriftScore(chunk_index=chunk.index, stream_time=result.time, drift=result.drift,
+                     layer_drift=[float(x) for x in result.layer_drift],
+                     chunk_tokens=result.chunk_tokens, kv_tokens=result.kv_tokens,
+                     evicted_tokens=result.evicted_tokens, forward_ms=result.forward_ms,
+                     signal_ms=result.signal_ms, evict_ms=result.evict_ms)
+    msg.header.stamp = to_time_msg(chunk.stamps[-1])
+    msg.header.frame_id = frame_id
+    return msg
+
+
+def diagnostics_message(stamp: Time, name: str, level: int, message: str, hardware_id: str,
+                        values: dict[str, Any]) -> DiagnosticArray:
+    status = DiagnosticStatus(level=bytes([level]), name=name, message=message,
+                              hardware_id=hardware_id,
+                              values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])
+    return DiagnosticArray(header=Header(stamp=stamp), status=[status])
+
+
+class CameraSubscription:
+    """The camera subscription, with the camera's reliability unless `forced_reliable`.
+
+    As image_proc does, it subscribes with the publisher's reliability when one exists (all
+    reliable: reliable, else best effort); the diagnostics timer calls `follow`, which also
+    matches a publisher that appears later, and says once why a matched camera may deliver
+    nothing. (A reliable camera's frames of ~0.9 MB and up never arrived over a best-effort
+    subscription with Fast DDS's default transports; README "Reliability".) A deep history: the
+    callback is cheap, but it shares the interpreter with the model and may be late.
+    """
+
+    def __init__(self, node: Node, msg_type: type, topic: str, callback: Callable,
+                 forced_reliable: bool, depth: int) -> None:
+        self.node, self.msg_type, self.callback, self.depth = node, msg_type, callback, depth
+        self.topic = node.resolve_topic_name(topic)
+        self.forced = forced_reliable
+        self.group = MutuallyExclusiveCallbackGroup()
+        self.subscription, self.silence_logged = None, False
+        self._subscribe(forced_reliable or self.publisher_reliability() is True)
+
+    def publisher_reliability(self) -> bool | None:
+        """Whether every publisher of the topic is reliable (None: no publisher yet)."""
+        found = self.node.get_publishers_info_by_topic(self.topic)
+        if not found:
+            return None
+        return all(i.qos_profile.reliability == ReliabilityPolicy.RELIABLE for i in found)
+
+    def _subscribe(self, reliable: bool) -> None:
+        if self.subscription is not None:
+            self.node.destroy_subscription(self.subscription)
+        qos = QoSProfile(depth=self.depth, durability=DurabilityPolicy.VOLATILE,
+                         reliability=ReliabilityPolicy.RELIABLE if reliable
+                         else ReliabilityPolicy.BEST_EFFORT)
+        self.subscription = self.node.create_subscription(
+            self.msg_type, self.topic, self.callback, qos, callback_group=self.group,
+            event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible))
+        self.reliable, self.silence_logged = reliable, False
+        self.since = time.monotonic()
+        self.node.get_logger().info(f"listening to {self.topic} ({self.msg_type.__name__}, "
+                                    f"{'reliable' if reliable else 'best effort'} QoS)")
+
+    def follow(self, silence_warn_s: float, last_frame: float) -> None:
+        """Resubscribe to match the publishers; log once when matched but silent."""
+        if not self.forced:
+            wanted = self.publisher_reliability()
+            if wanted is not None and wanted != self.reliable:
+                self._subscribe(wanted)
+                return
+        silent_s = time.monotonic() - max(last_frame, self.since)
+        if self.subscription.get_publisher_count() and not self.silence_logged \
+                and silent_s > silence_warn_s:
+            self.silence_logged = True
+            self.node.get_logger().warning(
+                f"a camera publisher is matched on {self.topic} but no frame arrived for "
+                f"{silent_s:.0f} s. Likely cause: large frames over a best-effort subscription "
+                "(Fast DDS's default transports drop them) or frames of another type. Fix: "
+                "reliable_qos:=true (or a reliable camera), or FASTDDS_BUILTIN_TRANSPORTS="
+                "LARGE_DATA on both sides")
+
+    def _on_incompatible(self, event) -> None:
+        self.node.get_logger().error(
+            f"camera QoS incompatible with ours (policy {event.last_policy_kind}): no frames "
+            "will arrive. With reliable_qos:=true a best-effort camera cannot match; check the "
+            "publisher's durability and reliability")

@@ -1,0 +1,354 @@
+"""The node's state without ROS: the stream clock, whole-memory operations, counters and health.
+
+node.py wires ROS to this class; everything here is tested without DDS (test_session.py).
+
+Threads. The camera thread calls `take_frame`; the worker thread (worker.py) runs `chunk_done`
+and every whole-memory operation (`reset`, `save`, `load`, the autosave), so that they see the
+memory and the stream record together, between two chunks; executor threads only call the
+worker and read counters. Results of memory operations (`OpResult`) are computed on the worker
+and returned from it; nothing of the memory is read from another thread.
+
+The stream record (`StreamRecord`: stream start, last stamp, next chunk index) says where the
+memory's stream stands. It changes only on the worker: after each chunk, to nothing on a reset,
+to the file's on a load. A save writes it; a load continues it (see `continue_clock`). A reset
+or a load ends the stream the waiting chunks belong to: they are discarded and counted.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .frames import FrameGate, FrameSampler, GateOutcome, SampledChunk, TimeEvent
+from .memory import ChunkResult, MemoryStats, StreamingMemory, question_problem
+from .memory_files import MemoryFiles, read_metadata
+from .params import BY_NAME
+from .persist import load_memory, save_memory
+from .worker import MemoryWorker
+
+ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or operation
+LATENCY_WINDOW = 30  # chunks in the latency median
+FRAME_ID_MAX = 256  # characters of a camera frame_id copied into reports
+NOT_READY = "not ready: the model is still loading"
+MAX_STREAM_INDEX = 2**31 - 1
+
+
+class Level(enum.IntEnum):
+    """diagnostic_msgs/DiagnosticStatus levels."""
+
+    OK = 0
+    WARN = 1
+    ERROR = 2
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class StreamRecord:
+    """Where the memory's stream stands: what a save records and a load continues from."""
+
+    stream_start: float  # header stamp (s) stream times count from
+    last_stamp: float  # header stamp of the newest chunk's last frame
+    next_chunk_index: int
+
+    @classmethod
+    def after(cls, chunk: SampledChunk) -> StreamRecord:
+        return cls(chunk.stamps[-1] - chunk.times[-1], chunk.stamps[-1], chunk.index + 1)
+
+    def to_json(self) -> dict[str, float | int]:
+        return {"stream_start": self.stream_start, "last_stamp": self.last_stamp,
+                "next_chunk_index": self.next_chunk_index}
+
+    @classmethod
+    def from_json(cls, value: Any) -> StreamRecord | None:
+        """The record of a file's `extra.stream` ({} = saved before any chunk: None).
+
+        Raises ValueError for anything but finite stamps in order and an index in range.
+        """
+        if value == {}:
+            return None
+        if not isinstance(value, dict) or set(value) != {"stream_start", "last_stamp",
+                                                          "next_chunk_index"}:
+            raise ValueError(f"malformed stream record {str(value)[:200]!r}")
+        start, last, index = value["stream_start"], value["last_stamp"], value["next_chunk_index"]
+        stamps_ok = all(isinstance(s, (int, float)) and not isinstance(s, bool)
+                        and math.isfinite(s) and s >= 0 for s in (start, last))
+        if not stamps_ok or start > last:
+            raise ValueError(f"stream record stamps are not finite, >= 0 and in order: "
+                             f"start {start!r}, last {last!r}")
+        if type(index) is not int or not 0 <= index <= MAX_STREAM_INDEX:
+            raise ValueError(f"stream record next_chunk_index {index!r} is out of range")
+        return cls(float(start), float(last), index)
+
+
+def continue_clock(record: StreamRecord, live_stamp: float | None,
+                   fps: float) -> tuple[float, float, int]:
+    """(stream start, last stamp, next index) for FrameSampler.resume after loading `record`.
+
+    The rule: with no chunk from the camera yet (since the start or a reset), the saved stream
+    continues as it was (a restart).
+    With a live camera at `live_stamp` on or after the saved last stamp, stream times keep the
+    saved start (the time in between is a gap). With a live camera behind the saved stamps (another
+    clock: a replay, sim time), the live stream continues the saved one one frame period after its
+    last frame. Never a jump back: loading does not wipe what it loaded.
+    """
+    if live_stamp is None:
+        return record.stream_start, record.last_stamp, record.next_chunk_index
+    if live_stamp >= record.last_stamp:
+        return record.stream_start, live_stamp, record.next_chunk_index
+    saved_span = record.last_stamp - record.stream_start
+    return live_stamp - saved_span - 1.0 / fps, live_stamp, record.next_chunk_index
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """What a whole-memory operation left, computed on the worker."""
+
+    chunks: int  # chunks the memory has seen
+    kv_tokens: int
+    discarded: int = 0  # waiting chunks of the ended stream
+
+
+class Session:
+    """The node's state. `values` is the node's current parameter dict (replaced on change)."""
+
+    def __init__(self, values: dict[str, Any], files: MemoryFiles,
+                 key: bytes | None = None) -> None:
+        self.values = values
+        self.files = files
+        self.key = key
+        self.sampler = FrameSampler(values["fps"], values["frames_per_chunk"],
+                                    values["max_gap_s"])
+        self.gate = FrameGate(self.sampler)
+        self.frame_lock = threading.Lock()  # the sampler: camera thread and worker operations
+        self.counter_lock = threading.Lock()
+        self.state = State.LOADING
+        self.load_error = ""
+        self.memory: StreamingMemory | None = None
+        self.worker: MemoryWorker | None = None
+        self.stats: MemoryStats | None = None  # refreshed on the worker
+        self.record: StreamRecord | None = None  # worker thread only
+        self.live_stamp: float | None = None  # last stamp of the newest chunk the gate made
+        self.frame_id = ""
+        self.last_result: ChunkResult | None = None
+        self.latencies_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.callback_errors = 0
+        self.chunks_before_ready = 0
+        self.questions_refused = 0  # client mistakes refused before reaching the worker
+        self.requests_refused = 0
+        self.autosaves = 0
+        self.resets = 0  # worker thread only
+        self.started_wall = time.monotonic()
+        self.last_frame_wall = 0.0
+        self._at_last_report = {"frames": 0, "drops": 0, "bad": 0}
+
+    # ----------------------------------------------------------------------------- readiness
+    def attach(self, memory: StreamingMemory, on_chunk: Callable[[SampledChunk, ChunkResult],
+                                                                 None]) -> MemoryWorker:
+        """The model is loaded: start the worker; from now on the session is READY."""
+        self.memory, self.stats = memory, memory.stats()
+        self.worker = MemoryWorker(memory, on_chunk, self.values["queue_chunks"])
+        self.state = State.READY
+        return self.worker
+
+    def failed(self, reason: str) -> None:
+        self.load_error, self.state = reason, State.FAILED
+
+    @property
+    def ready(self) -> bool:
+        return self.state is State.READY
+
+    # ----------------------------------------------------------------------------- camera
+    def take_frame(self, stamp: float, decode: Callable[[], np.ndarray],
+                   frame_id: str = "") -> tuple[GateOutcome, int]:
+        """Camera thread: one frame through the gate; (its outcome, chunks dropped for it).
+
+        A finished chunk goes to the worker (when ready; before, it is counted); a jump back
+        queues a reset in order with the chunks."""
+        self.last_frame_wall = time.monotonic()
+        with self.frame_lock:
+            outcome = self.gate.push(stamp, decode)
+            if outcome.chunk is not None:  # only accepted frames make chunks: the live clock
+                self.live_stamp = outcome.chunk.stamps[-1]
+        worker = self.worker
+        if outcome.event is TimeEvent.JUMP_BACK and worker is not None:
+            worker.post(self._reset_after_jump, "reset")
+        dropped = 0
+        if outcome.chunk is not None:
+            self.frame_id = frame_id[:FRAME_ID_MAX]
+            if worker is None:
+                self.chunks_before_ready += 1
+            else:
+                dropped = worker.submit_chunk(outcome.chunk)
+        return outcome, dropped
+
+    def note_callback_error(self) -> None:
+        self.callback_errors += 1
+
+    # ----------------------------------------------------------------------------- worker side
+    def chunk_done(self, chunk: SampledChunk, result: ChunkResult) -> None:
+        """Worker thread, after each chunk: the record, the latency window, the autosave."""
+        self.record = StreamRecord.after(chunk)
+        self.last_result, self.stats = result, self.memory.stats()
+        self.latencies_ms.append(result.forward_ms + result.signal_ms + result.evict_ms)
+        every = self.values["autosave_chunks"]
+        if every and (chunk.index + 1) % every == 0:
+            # Queued, not done here: a large save must not hold up this chunk's report.
+            self.worker.post(self._autosave, "autosave", coalesce=True)
+
+    def reset(self, memory: StreamingMemory) -> OpResult:
+        """Worker thread: forget everything; the waiting chunks of the old stream are discarded
+        and the next frame starts a new stream at index 0."""
+        memory.reset()
+        with self.frame_lock:
+            discarded = self.worker.discard_chunks()
+            self.sampler.reset()
+            self.live_stamp = None
+        self.resets += 1
+        return self._done(memory, record=None, discarded=discarded)
+
+    def save(self, memory: StreamingMemory, path: Path) -> OpResult:
+        """Worker thread: write the memory and its stream record to `path` (inside memory_dir)."""
+        stream = self.record.to_json() if self.record else {}
+        save_memory(memory, self.files.for_saving(path), extra={"stream": stream},
+                    **self._key_argument())
+        return self._done(memory, record=self.record)
+
+    def load(self, memory: StreamingMemory, path: Path) -> OpResult:
+        """Worker thread: replace the memory with the file's and continue its stream by
+        `continue_clock`. Its stream record is checked before the memory is touched."""
+        path = self.files.for_loading(path)
+        extra = read_metadata(path).get("extra", {})
+        record = StreamRecord.from_json(extra.get("stream", {}) if isinstance(extra, dict)
+                                        else extra)
+        load_memory(memory, path, **self._key_argument())
+        with self.frame_lock:
+            discarded = self.worker.discard_chunks() if self.worker else 0
+            if record is None:
+                self.sampler.reset()
+                self.live_stamp = None
+            else:
+                self.sampler.resume(*continue_clock(record, self.live_stamp,
+                                                    self.sampler.fps))
+        return self._done(memory, record=record, discarded=discarded)
+
+    def _reset_after_jump(self, memory: StreamingMemory) -> None:
+        """Worker thread, queued by the camera in order with the chunks: the sampler has
+        already started the new stream; only the memory and the record follow."""
+        memory.reset()
+        self.resets += 1
+        self._done(memory, record=None)
+
+    def _autosave(self, memory: StreamingMemory) -> None:
+        self.save(memory, self.files.default)
+        self.autosaves += 1
+
+    def _done(self, memory: StreamingMemory, record: StreamRecord | None,
+              discarded: int = 0) -> OpResult:
+        self.record, self.stats = record, memory.stats()
+        return OpResult(memory.chunks_seen, memory.kv_tokens, discarded)
+
+    def _key_argument(self) -> dict[str, bytes]:
+        """persist's keyed checksum, only when a key is configured."""
+        return {"key": self.key} if self.key is not None else {}
+
+    # ----------------------------------------------------------------------------- requests
+    def question_refusal(self, question: str, max_new_tokens: int) -> str:
+        """Why a question is refused before it costs model time ("" = accepted); counted."""
+        limit = int(BY_NAME["max_new_tokens"].high)
+        problem = "" if self.ready else NOT_READY
+        problem = problem or question_problem(question, self.values["max_question_chars"],
+                                              wire=True)
+        if not problem and max_new_tokens > limit:
+            problem = (f"max_new_tokens {max_new_tokens} is above the limit {limit} (the "
+                       "max_new_tokens parameter's range)")
+        if problem:
+            with self.counter_lock:
+                self.questions_refused += 1
+        return problem
+
+    def refuse_request(self) -> None:
+        """Count another client mistake (a memory file path refused)."""
+        with self.counter_lock:
+            self.requests_refused += 1
+
+    # ----------------------------------------------------------------------------- health
+    def health(self) -> tuple[Level, str, dict[str, Any]]:
+        """Level, message and values of the 1 Hz diagnostics report. WARN on what happened
+        since the previous report, not forever after one dropped chunk or bad frame."""
+        if not self.ready:
+            return Level.WARN, "loading the model", {"model": self.values["model_path"]}
+        counters, sampler, worker = self.worker.counters, self.sampler, self.worker
+        now, last = time.monotonic(), self._at_last_report
+        bad = self.gate.bad_frames + self.callback_errors
+        new_drops, new_bad = counters.chunks_dropped - last["drops"], bad - last["bad"]
+        frames_per_s = sampler.received - last["frames"]
+        self._at_last_report = {"frames": sampler.received, "drops": counters.chunks_dropped,
+                                "bad": bad}
+        latency = statistics.median(self.latencies_ms) if self.latencies_ms else 0.0
+        seconds_per_chunk = self.values["frames_per_chunk"] / self.values["fps"]
+        silent_s = now - (self.last_frame_wall or self.started_wall)
+        queue_depth = worker.queue_depth
+        level, message = Level.OK, "ok"
+        if counters.last_error and now - counters.last_error_time < ERROR_HOLD_S:
+            level, message = Level.ERROR, counters.last_error
+        elif silent_s > self.values["silence_warn_s"]:
+            level, message = Level.WARN, f"no camera frames for {silent_s:.0f} s"
+        elif queue_depth >= self.values["queue_chunks"] or new_drops:
+            level, message = Level.WARN, "model slower than real time: chunks dropped"
+        elif new_bad:
+            level, message = Level.WARN, f"bad frames: {self.gate.last_error}"
+        stats, result, memory = self.stats, self.last_result, self.memory
+        values = {
+            "input_rate_hz": f"{frames_per_s:.1f}",
+            "frames_received": sampler.received,
+            "frames_sampled": sampler.sampled,
+            "frames_dropped": sampler.dropped_frames,
+            "frames_bad": self.gate.bad_frames,
+            "callback_errors": self.callback_errors,
+            "time_jumps_back": sampler.time_jumps_back,
+            "time_gaps": sampler.time_gaps,
+            "chunks_processed": counters.chunks_processed,
+            "chunks_dropped": counters.chunks_dropped + self.chunks_before_ready,
+            "chunks_discarded": counters.chunks_discarded,
+            "chunks_failed": counters.chunks_failed,
+            "reports_failed": counters.reports_failed,
+            "questions_answered": counters.questions_answered,
+            "questions_failed": counters.questions_failed,
+            "questions_refused": self.questions_refused,
+            "requests_refused": counters.requests_refused + self.requests_refused,
+            "resets": self.resets,
+            "saves_failed": counters.failed["save"],
+            "loads_failed": counters.failed["load"],
+            "resets_failed": counters.failed["reset"],
+            "autosaves": self.autosaves,
+            "autosaves_failed": counters.failed["autosave"],
+            "queue_depth": queue_depth,
+            "questions_waiting": worker.questions_waiting,
+            "serving": worker.serving,
+            "kv_tokens": stats.kv_tokens,
+            "budget_tokens": memory.config.budget_tokens,
+            "memory_bytes": stats.kv_bytes + stats.state_bytes,
+            "position": f"{stats.next_position}/{stats.max_positions}",
+            "chunk_latency_ms": f"{latency:.1f}",
+            "real_time_factor": f"{latency / 1e3 / seconds_per_chunk:.3f}",
+            "last_drift": f"{result.drift:.5f}" if result else "",
+            "device": str(memory.device),
+            "model": str(memory.loaded.path),
+            "policy": memory.config.policy,
+        }
+        return level, message, values

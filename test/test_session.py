@@ -1,0 +1,271 @@
+"""The node's session without ROS (issue 12 #4; issue 13 findings 3, 4, 5, 8, 11): the stream
+record taken on the worker, reset/save/load atomic with the stream, autosave between chunks,
+refusals that are not failures, health rules. Tiny model on CPU; frames pushed at 2 fps."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltas_ros import params
+from deltas_ros import session as session_module
+from deltas_ros.memory import StreamingMemory
+from deltas_ros.memory_files import MemoryFiles
+from deltas_ros.persist import load_memory
+from deltas_ros.session import (
+    FRAME_ID_MAX,
+    NOT_READY,
+    Level,
+    Session,
+    StreamRecord,
+    continue_clock,
+)
+
+BASE = 1_700_000_000.0
+VALUES = params.defaults() | {"model_path": "/models/tiny", "pixel_budget": 4096,
+                              "budget_tokens": 120, "window_tokens": 40, "max_new_tokens": 4}
+
+
+def frame(stamp: float) -> np.ndarray:
+    """A texture that changes every second of stamp time, 48x64 RGB."""
+    return np.random.default_rng(int(stamp) % 1000).integers(0, 256, (48, 64, 3), np.uint8)
+
+
+def wait_until(predicate, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+class Running:
+    """A session with a worker over a fresh tiny memory, recording each chunk's report."""
+
+    def __init__(self, tiny_model, directory: Path, **values) -> None:
+        self.memory = StreamingMemory(tiny_model, params.memory_config(VALUES))
+        self.session = Session(VALUES | values, MemoryFiles(directory))
+        self.reports: list[tuple[int, float, float]] = []  # (index, stream time, drift)
+        self.session.attach(self.memory, self._on_chunk)
+        self.worker = self.session.worker
+
+    def _on_chunk(self, chunk, result) -> None:
+        self.session.chunk_done(chunk, result)
+        self.reports.append((chunk.index, result.time, result.drift))
+
+    def push(self, start: float, seconds: float) -> None:
+        """Frames at exactly 2 fps from `start`: one chunk per second."""
+        for k in range(int(seconds * 2)):
+            stamp = start + k / 2
+            self.session.take_frame(stamp, lambda s=stamp: frame(s), "camera")
+
+    def settle(self, reports: int) -> None:
+        assert wait_until(lambda: len(self.reports) >= reports and not self.worker.queue_depth
+                          and not self.worker.questions_waiting), self.reports
+
+    def call(self, function):
+        return self.worker.call(function, 60.0, "op")
+
+    def close(self) -> None:
+        self.worker.stop()
+
+
+@pytest.fixture
+def running(tiny_model, tmp_path):
+    runs = []
+
+    def make(**values) -> Running:
+        runs.append(Running(tiny_model, tmp_path / "memory", **values))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+def reference_drift(tiny_model, stamps_start: float, seconds: int, time_of, path=None):
+    """Drift of `seconds` chunks fed straight to a fresh memory (after loading `path`)."""
+    memory = StreamingMemory(tiny_model, params.memory_config(VALUES))
+    if path is not None:
+        load_memory(memory, path)
+    drift = []
+    for c in range(seconds):
+        stamps = [stamps_start + c, stamps_start + c + 0.5]
+        drift.append(memory.add_chunk([frame(s) for s in stamps], [time_of(s) for s in stamps],
+                                      stamp=stamps[-1]).drift)
+    return drift
+
+
+# ----------------------------------------------------------------------------- pure rules
+def test_stream_record_round_trips_and_refuses_doctored_values():
+    record = StreamRecord(BASE, BASE + 2.5, 3)
+    assert StreamRecord.from_json(record.to_json()) == record
+    assert StreamRecord.from_json({}) is None
+    good = record.to_json()
+    for bad in ({"stream_start": "0"}, {"last_stamp": math.nan}, {"last_stamp": math.inf},
+                {"stream_start": BASE + 9}, {"stream_start": -1.0}, {"next_chunk_index": 2**40},
+                {"next_chunk_index": True}, {"next_chunk_index": 1.0}, {"extra": 1}):
+        with pytest.raises(ValueError):
+            StreamRecord.from_json(good | bad)
+    with pytest.raises(ValueError):
+        StreamRecord.from_json([1, 2, 3])
+
+
+def test_loading_continues_the_clock_and_never_jumps_back():
+    record = StreamRecord(BASE, BASE + 2.5, 3)
+    assert continue_clock(record, None, 2.0) == (BASE, BASE + 2.5, 3)  # a restart
+    assert continue_clock(record, BASE + 9.0, 2.0) == (BASE, BASE + 9.0, 3)  # same clock, later
+    start, last, index = continue_clock(record, 100.0, 2.0)  # a clock behind the file's
+    assert (last, index) == (100.0, 3)
+    assert 100.0 + 0.5 - start == pytest.approx(2.5 + 1.0)  # next frame: one period on
+
+
+def test_questions_are_refused_before_the_worker_and_counted_apart(tmp_path):
+    session = Session(VALUES, MemoryFiles(tmp_path))
+    assert session.question_refusal("hello", 0) == NOT_READY
+    session.state = session_module.State.READY
+    assert "empty" in session.question_refusal("  ", 0)
+    assert "limit" in session.question_refusal("x" * 3000, 0)
+    assert "limit 4096" in session.question_refusal("hello", 2**32 - 1)
+    assert "limit 4096" in session.question_refusal("hello", 65535)
+    assert session.question_refusal("hello", 4096) == ""
+    assert session.questions_refused == 5
+
+
+def test_chunks_before_ready_are_counted_and_frame_ids_are_bounded(tmp_path):
+    session = Session(VALUES, MemoryFiles(tmp_path))
+    for k in range(4):
+        session.take_frame(BASE + k / 2, lambda: frame(BASE), "x" * 1_000_000)
+    assert session.chunks_before_ready == 2
+    assert len(session.frame_id) == FRAME_ID_MAX
+
+
+# ----------------------------------------------------------------------------- with a memory
+def test_a_reset_discards_the_waiting_chunks_of_the_old_stream(running, tiny_model):
+    """Finding 5: chunks queued before a reset never enter the new memory."""
+    run = running()
+    hold, holding = threading.Event(), threading.Event()
+
+    def busy(memory) -> None:
+        holding.set()
+        hold.wait(60)
+
+    run.worker.post(busy, "hold")  # the model is busy
+    assert holding.wait(60)
+    run.push(BASE, 3.0)
+    assert wait_until(lambda: run.worker.queue_depth == 3)
+    results = []
+    resetting = threading.Thread(target=lambda: results.append(run.call(run.session.reset)))
+    resetting.start()
+    assert wait_until(lambda: run.worker.questions_waiting == 1)
+    hold.set()
+    resetting.join(60)
+    assert results[0].discarded == 3 and results[0].chunks == 0
+    assert run.reports == [] and run.worker.counters.chunks_discarded == 3
+    run.push(BASE + 50, 2.0)  # the new stream
+    run.settle(2)
+    assert [r[0] for r in run.reports] == [0, 1]
+    expected = reference_drift(tiny_model, BASE + 50, 2, lambda s: s - (BASE + 50))
+    assert [r[2] for r in run.reports] == expected  # bit-identical to a fresh memory
+
+
+def test_a_save_records_the_stream_the_memory_holds(running, tmp_path):
+    """Finding 3: after a reset, a load or a restart the saved position is the memory's."""
+    run = running()
+    files = run.session.files
+    run.push(BASE, 3.0)
+    run.settle(3)
+    run.call(lambda m: run.session.save(m, files.resolve("three")))
+    assert run.session.record == StreamRecord(BASE, BASE + 2.5, 3)
+    run.call(run.session.reset)
+    saved = run.call(lambda m: run.session.save(m, files.resolve("empty")))
+    assert saved.chunks == 0
+    assert session_module.read_metadata(files.resolve("empty"))["extra"]["stream"] == {}
+    run.call(lambda m: run.session.load(m, files.resolve("three")))
+    run.call(lambda m: run.session.save(m, files.resolve("again")))
+    extra = session_module.read_metadata(files.resolve("again"))["extra"]
+    assert extra["stream"] == StreamRecord(BASE, BASE + 2.5, 3).to_json()
+
+    # A restart: load before the worker exists, save before any frame.
+    restarted = running()
+    restarted.session.load(restarted.memory, files.resolve("three"))
+    restarted.call(lambda m: restarted.session.save(m, files.resolve("restarted")))
+    extra = session_module.read_metadata(files.resolve("restarted"))["extra"]
+    assert extra["stream"] == StreamRecord(BASE, BASE + 2.5, 3).to_json()
+
+
+@pytest.mark.parametrize("live_behind", [False, True])
+def test_a_load_while_the_camera_streams_continues_without_wiping(running, tiny_model,
+                                                                  live_behind):
+    """Finding 4: the next live frame after a load is no jump back; the loaded memory goes on
+    with the same drift as a memory that loaded the file and got the same frames."""
+    source = running()
+    source.push(BASE, 3.0)
+    source.settle(3)
+    path = source.session.files.resolve("three")
+    source.call(lambda m: source.session.save(m, path))
+
+    run = running()
+    live = BASE - 100.0 if live_behind else BASE + 3.0
+    run.push(live, 2.0)  # the live camera, on its own clock
+    run.settle(2)
+    loaded = run.call(lambda m: run.session.load(m, path))
+    assert loaded.chunks == 3
+    run.push(live + 2.0, 2.0)
+    run.settle(4)
+    sampler = run.session.sampler
+    assert sampler.time_jumps_back == 0 and run.session.resets == 0
+    assert run.memory.chunks_seen == 5
+    after = run.reports[2:]
+    assert [r[0] for r in after] == [3, 4]  # the file's chunk indices go on
+    times = [r[1] for r in after]
+    assert times[0] > 2.5 and times == sorted(times)
+    start = sampler.stream_start
+    expected = reference_drift(tiny_model, live + 2.0, 2, lambda s: s - start, path)
+    assert [r[2] for r in after] == expected
+
+
+def test_autosave_runs_between_chunks_not_inside_the_report(running):
+    run = running(autosave_chunks=2)
+    default = run.session.files.default
+    seen_in_report = []
+    on_chunk = run.worker.on_chunk
+
+    def report(chunk, result):
+        on_chunk(chunk, result)
+        seen_in_report.append(default.exists())
+
+    run.worker.on_chunk = report
+    run.push(BASE, 2.0)
+    run.settle(2)
+    assert seen_in_report == [False, False]  # the save was queued, not done in the report
+    assert wait_until(lambda: run.session.autosaves == 1)
+    run.call(lambda m: None)  # after the autosave
+    extra = session_module.read_metadata(default)["extra"]
+    assert extra["stream"] == StreamRecord(BASE, BASE + 1.5, 2).to_json()
+
+
+def test_failures_are_named_and_client_mistakes_do_not_turn_error(running, monkeypatch):
+    run = running()
+    session = run.session
+    session.question_refusal("", 0)
+    with pytest.raises(RuntimeError, match="no memory file"):
+        run.worker.call(lambda m: session.load(m, session.files.resolve("absent")), 60, "load")
+    level, _, values = session.health()
+    assert level is not Level.ERROR
+    assert values["questions_refused"] == 1 and values["requests_refused"] == 1
+    assert values["loads_failed"] == 0 and values["questions_failed"] == 0
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(session_module, "save_memory", disk_full)
+    with pytest.raises(RuntimeError, match="save failed: .*No space"):
+        run.worker.call(lambda m: session.save(m, session.files.default), 60, "save")
+    level, message, values = session.health()
+    assert level is Level.ERROR and "save failed" in message
+    assert values["saves_failed"] == 1 and values["questions_failed"] == 0
