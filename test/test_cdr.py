@@ -107,9 +107,9 @@ def test_raw_path_samples_and_decodes_exactly_what_the_deserializing_path_does(s
     decoded = 0
     for msg in stream(seed):
         raw = serialize_message(msg)
-        a = old.push(message_stamp(msg), lambda: decode_message(msg))
+        a = old.push(message_stamp(msg), lambda msg=msg: decode_message(msg))
 
-        def decode_raw() -> np.ndarray:
+        def decode_raw(raw: bytes = raw) -> np.ndarray:
             nonlocal decoded
             decoded += 1
             return decode_message(deserialize_message(raw, Image))
