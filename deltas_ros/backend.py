@@ -51,7 +51,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from .chunks import Chunk
-from .drift import write_strength
+from .drift import stacked_drift, write_strength
 from .rope import RotaryShift
 
 KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
@@ -64,11 +64,19 @@ _RECORDING: ContextVar[tuple[list[torch.Tensor], Callable] | None] = ContextVar(
 
 @dataclass
 class StateSnapshot:
-    """Clones of the linear-attention states and the KV length: all a rollback needs."""
+    """The linear-attention states and the KV length at one moment: all a rollback needs.
+
+    recurrent/conv are views into buffers the backend reuses: a snapshot is valid until the
+    next `Backend.snapshot` (`generation` says which one; restore and drift refuse a stale one).
+    work (2, L, n) float32: work[1] holds the recurrent states (rows zero-padded to the largest),
+    work[0] is where `Backend.drift` puts the states after the chunk.
+    """
 
     recurrent: list[torch.Tensor]
     conv: list[torch.Tensor]
     kv_tokens: int
+    work: torch.Tensor
+    generation: int
 
 
 def fla_available() -> bool:
@@ -147,6 +155,8 @@ class Backend:
         self.cache = DynamicCache(config=text)
         self.fla_kernels = select_gated_delta_kernels(model, device)  # per instance; idempotent
         self.strength_fn: Callable = write_strength  # a benchmark may wrap it to time it
+        self._buffers: _SnapshotBuffers | None = None
+        self._generation = 0
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config.text_config)
@@ -189,17 +199,44 @@ class Backend:
     def recurrent_states(self) -> list[torch.Tensor]:
         return [self.cache.layers[i].recurrent_states[0] for i in self.linear]
 
+    def conv_states(self) -> list[torch.Tensor]:
+        return [self.cache.layers[i].conv_states[0] for i in self.linear]
+
     def snapshot(self) -> StateSnapshot:
-        layers = [self.cache.layers[i] for i in self.linear]
-        return StateSnapshot([layer.recurrent_states[0].clone() for layer in layers],
-                             [layer.conv_states[0].clone() for layer in layers], self.kv_tokens)
+        """One multi-tensor copy of the recurrent states into the drift layout and one of the
+        conv states, into buffers reused from snapshot to snapshot (no allocation in steady
+        state). Invalidates the previous snapshot."""
+        recurrent, conv = self.recurrent_states(), self.conv_states()
+        buffers = self._buffers
+        if buffers is None or not buffers.fits(recurrent, conv):
+            buffers = self._buffers = _SnapshotBuffers(recurrent, conv)
+        torch._foreach_copy_(buffers.before, recurrent)
+        torch._foreach_copy_(buffers.conv, conv)
+        self._generation += 1
+        return StateSnapshot(buffers.before, buffers.conv, self.kv_tokens, buffers.work,
+                             self._generation)
+
+    def drift(self, snap: StateSnapshot) -> tuple[float, list[float]]:
+        """State drift (Eq. 3) from `snap` to now: one multi-tensor copy of the states into
+        snap.work, then drift.stacked_drift (three ops, one host sync)."""
+        self._check_current(snap)
+        recurrent = self.recurrent_states()
+        if not self._buffers.fits(recurrent, self.conv_states()):
+            raise ValueError("the linear-attention states changed shape since the snapshot")
+        torch._foreach_copy_(self._buffers.after, recurrent)
+        return stacked_drift(snap.work)
 
     def restore(self, snap: StateSnapshot) -> None:
         """Copy the states back and cut the KV cache to its length at the snapshot."""
-        for i, recurrent, conv in zip(self.linear, snap.recurrent, snap.conv):
-            self.cache.layers[i].recurrent_states[0].copy_(recurrent)
-            self.cache.layers[i].conv_states[0].copy_(conv)
+        self._check_current(snap)
+        torch._foreach_copy_(self.recurrent_states(), snap.recurrent)
+        torch._foreach_copy_(self.conv_states(), snap.conv)
         self.truncate(snap.kv_tokens)
+
+    def _check_current(self, snap: StateSnapshot) -> None:
+        if snap.generation != self._generation:
+            raise RuntimeError(f"stale state snapshot {snap.generation} (the buffers now hold "
+                               f"snapshot {self._generation})")
 
     # ----------------------------------------------------------------------------- KV slots
     @property
@@ -366,6 +403,38 @@ def attention_mass_reference(queries: torch.Tensor, keys: torch.Tensor, scaling:
     logits = logits.masked_fill(~causal.to(logits.device), float("-inf"))
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
     return weights[0, :, :, :slots].float().sum((0, 1))
+
+
+class _SnapshotBuffers:
+    """The buffers snapshots and drift copy the linear-attention states into, with each layer's
+    view cut once (per-layer Python work would cost more than the copies at tiny sizes).
+
+    work (2, L, n) float32, rows zero-padded to the largest state (the padding is never
+    written, so it adds nothing to a norm): after = views of work[0], before = of work[1];
+    conv: views of one (L, m) buffer of the conv states' dtype.
+    """
+
+    def __init__(self, recurrent: list[torch.Tensor], conv: list[torch.Tensor]) -> None:
+        self.key = _layout(recurrent, conv)
+        device = recurrent[0].device
+        self.work = torch.zeros(2, len(recurrent), max(s.numel() for s in recurrent),
+                                device=device)
+        conv_buffer = torch.zeros(len(conv), max(s.numel() for s in conv), dtype=conv[0].dtype,
+                                  device=device)
+        self.after, self.before = (_rows(half, recurrent) for half in self.work.unbind(0))
+        self.conv = _rows(conv_buffer, conv)
+
+    def fits(self, recurrent: list[torch.Tensor], conv: list[torch.Tensor]) -> bool:
+        return _layout(recurrent, conv) == self.key
+
+
+def _layout(*groups: list[torch.Tensor]) -> tuple:
+    return tuple((t.shape, t.dtype, t.device) for group in groups for t in group)
+
+
+def _rows(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Row i of a (L, n) buffer, cut and viewed to the shape of like[i]."""
+    return [row[:t.numel()].view(t.shape) for row, t in zip(buffer.unbind(0), like)]
 
 
 def fill_slots(caches: list[torch.Tensor], holes: torch.Tensor, movers: torch.Tensor,

@@ -31,7 +31,6 @@ import torch
 from .asking import accept_question, decode, evidence_chunks
 from .backend import Backend, StateSnapshot
 from .chunks import Chunk, ChunkBuilder
-from .drift import state_drift
 from .memory_config import (
     ChunkFailed,
     MemoryConfig,
@@ -125,7 +124,7 @@ class StreamingMemory:
         with self.backend.recording_write_strength(self.policy.needs_write_strength) as strengths:
             self.backend.prefill_chunk(chunk)
         t2 = self.backend.now()
-        drift, per_layer = state_drift(snapshot.states.recurrent, self.backend.recurrent_states())
+        drift, per_layer = self.backend.drift(snapshot.states)
         t3 = self.backend.now()
         index = self.chunks_seen
         keys, values = self.backend.newest(chunk.num_tokens)

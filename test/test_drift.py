@@ -5,9 +5,13 @@ import math
 
 import pytest
 import torch
+from engine_helpers import TINY_FRAMES, frames_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltas_ros.drift import state_drift, state_drift_reference, write_strength
+from deltas_ros.drift import stacked_drift, state_drift, state_drift_reference, write_strength
+from deltas_ros.memory import MemoryConfig, StreamingMemory
 
 
 def test_drift_equals_hand_computation():
@@ -84,3 +88,63 @@ def test_fast_drift_equals_the_layer_by_layer_reference():
     fast_mean, fast = state_drift(before, after)
     ref_mean, ref = state_drift_reference(before, after)
     assert fast == pytest.approx(ref, rel=1e-6) and fast_mean == pytest.approx(ref_mean)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 5), shapes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6)),
+                                                 min_size=5, max_size=5),
+       zero=st.lists(st.booleans(), min_size=5, max_size=5), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+def test_stacked_drift_equals_the_reference_for_any_shapes_zero_states_and_dtypes(
+        layers, shapes, zero, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    before = [torch.zeros(shape, dtype=dtype) if zero[i]
+              else torch.randn(shape, generator=gen).to(dtype)
+              for i, shape in enumerate(shapes[:layers])]
+    after = [b + torch.randn(b.shape, generator=gen).to(dtype) * (i % 2) for i, b in
+             enumerate(before)]  # odd layers move, even ones stay
+    mean, per_layer = state_drift(before, after)
+    ref_mean, ref = state_drift_reference(before, after)
+    assert per_layer == pytest.approx(ref, rel=1e-5, abs=1e-7)
+    assert mean == pytest.approx(ref_mean, rel=1e-5, abs=1e-7)
+
+
+def test_stacked_drift_rejects_a_wrong_layout():
+    with pytest.raises(ValueError):
+        stacked_drift(torch.zeros(3, 2, 4))
+    with pytest.raises(ValueError):
+        stacked_drift(torch.zeros(2, 2, 4, dtype=torch.float64))
+
+
+def test_engine_drift_from_its_snapshot_equals_the_reference(tiny_model):
+    """The engine's path (snapshot into the stacked buffers, Backend.drift) on a real stream
+    gives the per-layer reference's drift, chunk after chunk, while the buffers are reused."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(budget_tokens=80, window_tokens=20,
+                                                      **TINY_FRAMES))
+    backend = memory.backend
+    with torch.inference_mode():
+        for chunk in range(6):
+            before = [s.clone() for s in backend.recurrent_states()]
+            result = memory.add_chunk(frames_for(chunk), [chunk, chunk + 0.5])
+            ref_mean, ref = state_drift_reference(before, backend.recurrent_states())
+            assert result.layer_drift == pytest.approx(ref, rel=1e-5)
+            assert result.drift == pytest.approx(ref_mean, rel=1e-5)
+        assert result.drift > 0
+
+
+def test_a_stale_snapshot_is_refused_and_a_current_one_restores(tiny_model):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
+    backend = memory.backend
+    with torch.inference_mode():
+        stale = backend.snapshot()
+        current = backend.snapshot()
+        with pytest.raises(RuntimeError, match="stale"):
+            backend.restore(stale)
+        with pytest.raises(RuntimeError, match="stale"):
+            backend.drift(stale)
+        live = backend.recurrent_states() + backend.conv_states()
+        expected = [s.clone() for s in live]
+        for state in live:
+            state.add_(1.0)
+        backend.restore(current)
+        assert all(torch.equal(a, b) for a, b in zip(live, expected))
