@@ -33,11 +33,13 @@ from rclpy.clock import Clock, ClockType
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.serialization import deserialize_message
 from sensor_msgs.msg import CompressedImage, Image
 from std_srvs.srv import Trigger
 
 from . import params
-from .frames import TimeEvent, decode_message, message_stamp
+from .cdr import raw_header, raw_stamp
+from .frames import TimeEvent, decode_message
 from .memory import StreamingMemory
 from .memory_files import MemoryFiles, MemoryPathError, read_key
 from .model import load_model
@@ -135,12 +137,15 @@ class MemoryNode(Node):
         return SetParametersResult(successful=True)
 
     # ----------------------------------------------------------------------------- camera
-    def _on_frame(self, msg: Image | CompressedImage) -> None:
-        """Every camera frame: cheap unless sampled. Nothing in a frame may stop the executor:
-        anything unexpected is logged and counted."""
+    def _on_frame(self, raw: bytes) -> None:
+        """Every camera frame, serialized: its stamp is read from the bytes and only a sampled
+        frame is deserialized and decoded. Nothing in a frame may stop the executor: anything
+        unexpected is logged and counted."""
         try:
+            stamp, frame_id = raw_stamp(raw), raw_header(raw)[2]
             outcome, dropped = self.session.take_frame(
-                message_stamp(msg), lambda: decode_message(msg), msg.header.frame_id)
+                stamp, lambda: decode_message(deserialize_message(raw, self.camera.msg_type)),
+                frame_id)
         except Exception as error:  # a defect must not take the node down with it
             self.session.note_callback_error()
             self.get_logger().error(f"camera callback failed: {type(error).__name__}: {error}",

@@ -93,7 +93,8 @@ def diagnostics_message(stamp: Time, name: str, level: int, message: str, hardwa
 
 
 class CameraSubscription:
-    """The camera subscription, with the camera's reliability unless `forced_reliable`.
+    """The camera subscription (raw: serialized messages), with the camera's reliability unless
+    `forced_reliable`.
 
     As image_proc does, it subscribes with the publisher's reliability when one exists (all
     reliable: reliable, else best effort); the diagnostics timer calls `follow`, which also
@@ -125,8 +126,10 @@ class CameraSubscription:
         qos = QoSProfile(depth=self.depth, durability=DurabilityPolicy.VOLATILE,
                          reliability=ReliabilityPolicy.RELIABLE if reliable
                          else ReliabilityPolicy.BEST_EFFORT)
+        # raw: the callback gets the CDR bytes; it reads the stamp from them (cdr.raw_stamp) and
+        # deserializes only the frames the sampler keeps.
         self.subscription = self.node.create_subscription(
-            self.msg_type, self.topic, self.callback, qos, callback_group=self.group,
+            self.msg_type, self.topic, self.callback, qos, callback_group=self.group, raw=True,
             event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible))
         self.reliable, self.silence_logged = reliable, False
         self.since = time.monotonic()
