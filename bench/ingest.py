@@ -8,10 +8,13 @@ take a few percent of one core.
 How: a camera process (bench.camera_pub) publishes over DDS; this process subscribes with the
 node's camera QoS (reliable, depth FRAME_HISTORY) and its callback runs the node's per-frame path,
 FrameGate.push(message_stamp(msg), lambda: decode_message(msg)), plus, for finished chunks,
-ChunkBuilder.build (the CPU part of add_chunk; the model itself is left out). The executor is
-rclpy's SingleThreadedExecutor ("single"), or a MultiThreadedExecutor with the node's thread count
-("node"), each spun with spin() as the node does. Per frame, over the window from the first to
-the last callback:
+ChunkBuilder.build (the CPU part of add_chunk; the model itself is left out). Two camera paths:
+"deserialize" (the old node: rclpy deserializes every message before the callback) and "raw"
+(the node now: a raw subscription, the stamp and frame_id read from the CDR bytes by
+deltas_ros.cdr, only sampled frames deserialized), each an input of its own in the same run.
+The executor is rclpy's SingleThreadedExecutor ("single"), or a MultiThreadedExecutor with the
+node's thread count ("node"), each spun with spin() as the node does. Per frame, over the window
+from the first to the last callback:
 - callback CPU: time.thread_time() around that path, split into non-sampled frames, sampled
   frames (decode) and chunk builds;
 - executor thread CPU (single executor only): time.thread_time() from callback to callback, which
@@ -29,6 +32,7 @@ import argparse
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -39,6 +43,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CompressedImage, Image
 
+from deltas_ros.cdr import raw_header, raw_stamp
 from deltas_ros.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
 from deltas_ros.frames import FrameGate, FrameSampler, decode_message, message_stamp
 from deltas_ros.maker import make_tokenizer, tiny_config
@@ -65,7 +70,9 @@ EXECUTORS = {
     "node": lambda context: MultiThreadedExecutor(num_threads=EXECUTOR_THREADS,
                                                   context=context),  # as node.main
 }
-DEFAULT_INPUTS = ["rgb8/single", "jpeg/single", "rgb8/node"]
+PATHS = ("deserialize", "raw")  # an input name without a path is the deserialize path
+DEFAULT_INPUTS = ["rgb8/single", "rgb8/single/raw", "jpeg/single", "jpeg/single/raw",
+                  "rgb8/node", "rgb8/node/raw"]
 TARGETS = {"non_sampled_ms": 0.1, "process_percent": 5.0}
 
 
@@ -82,7 +89,7 @@ class FrameRecord:
 class Ingest:
     """The node's per-frame path in a subscriber, with CPU clocks around it."""
 
-    def __init__(self, node, encoding: str) -> None:
+    def __init__(self, node, encoding: str, raw: bool) -> None:
         self.gate = FrameGate(FrameSampler())
         config = tiny_config()  # for_model reads only the model's config
         self.builder = ChunkBuilder.for_model(SimpleNamespace(config=config),
@@ -92,14 +99,26 @@ class Ingest:
         self.records: list[FrameRecord] = []
         qos = QoSProfile(depth=FRAME_HISTORY, reliability=ReliabilityPolicy.RELIABLE,
                          durability=DurabilityPolicy.VOLATILE)
-        msg_type = Image if encoding == "rgb8" else CompressedImage
-        self.subscription = node.create_subscription(msg_type, TOPICS[encoding], self.on_frame,
-                                                     qos)
+        self.msg_type = Image if encoding == "rgb8" else CompressedImage
+        self.subscription = node.create_subscription(
+            self.msg_type, TOPICS[encoding], self.on_raw if raw else self.on_frame, qos, raw=raw)
 
     def on_frame(self, msg: Image | CompressedImage) -> None:
+        """The old node's path: rclpy deserialized the message before this call."""
+        self.record(lambda: (message_stamp(msg), msg.header.frame_id),
+                    lambda: decode_message(msg))
+
+    def on_raw(self, raw: bytes) -> None:
+        """The node's path (node._on_frame): stamp and frame_id from the CDR bytes."""
+        self.record(lambda: (raw_stamp(raw), raw_header(raw)[2]),
+                    lambda: decode_message(deserialize_message(raw, self.msg_type)))
+
+    def record(self, header: Callable[[], tuple[float, str]],
+               decode: Callable[[], Any]) -> None:
         thread0, process0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
         sampled_before = self.gate.sampler.sampled
-        outcome = self.gate.push(message_stamp(msg), lambda: decode_message(msg))
+        stamp, _frame_id = header()
+        outcome = self.gate.push(stamp, decode)
         thread1 = time.thread_time()
         if outcome.chunk is not None:
             chunk = self.builder.build(outcome.chunk.frames, outcome.chunk.times, self.position)
@@ -120,11 +139,12 @@ def deserialize_ms(encoding: str, width: int, height: int) -> float:
     return median(times)
 
 
-def measure(encoding: str, executor_kind: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    encoding, executor_kind, path = (name + "/deserialize").split("/")[:3]
     context = rclpy.Context()
     rclpy.init(context=context)
     node = rclpy.create_node("bench_ingest", context=context)
-    ingest = Ingest(node, encoding)
+    ingest = Ingest(node, encoding, raw=path == "raw")
     executor: Executor = EXECUTORS[executor_kind](context=context)
     executor.add_node(node)
     spinner = threading.Thread(target=executor.spin, daemon=True)
@@ -214,9 +234,11 @@ def report(results: dict[str, Any]) -> str:
              f"{ros['fastdds_builtin_transports']}; reliable QoS, {results['fps']:g} fps, "
              f"{results['size'][0]}x{results['size'][1]}, {results['seconds']:g} s per input. "
              "Executors: single = rclpy SingleThreadedExecutor, node = the node's "
-             f"MultiThreadedExecutor(num_threads={EXECUTOR_THREADS}). rclpy takes and "
-             "deserializes each message before the callback runs: that cost is in the "
-             "executor-thread and process columns, not in the callback column.\n")
+             f"MultiThreadedExecutor(num_threads={EXECUTOR_THREADS}). Paths: without a "
+             "suffix, rclpy takes and deserializes each message before the callback runs "
+             "(that cost is in the executor-thread and process columns, not in the callback "
+             "column); /raw: a raw subscription, the stamp read from the CDR bytes, only "
+             "sampled frames deserialized (inside the callback column).\n")
     return body
 
 
@@ -228,8 +250,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--height", type=int, default=720)
     parser.add_argument("--idle", type=float, default=3.0, help="idle baseline seconds")
     parser.add_argument("--inputs", nargs="+", default=DEFAULT_INPUTS,
-                        choices=[f"{e}/{x}" for e in TOPICS for x in EXECUTORS],
-                        help="encoding/executor pairs, measured one after the other")
+                        choices=[f"{e}/{x}{p}" for e in TOPICS for x in EXECUTORS
+                                 for p in ("", "/raw", "/deserialize")],
+                        help="encoding/executor[/path] (path: deserialize, the default, or "
+                        "raw), measured one after the other")
     add_out_arg(parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -238,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = start_results("ingest", argv)
     results |= {"ros": ros_setup(), "fps": args.fps, "seconds": args.seconds,
                 "size": [args.width, args.height]}
-    results["inputs"] = {name: measure(*name.split("/"), args) for name in args.inputs}
+    results["inputs"] = {name: measure(name, args) for name in args.inputs}
     title = (f"Ingest: {args.width}x{args.height} at {args.fps:g} fps over DDS, the node's "
              "per-frame path without the model")
     return finish(args.out, results, title, report(results))
