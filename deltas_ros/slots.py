@@ -77,10 +77,8 @@ class SlotTable:
         """The table after the slots `movers` moved into `holes` and the cache was cut to
         `size` slots (see `fill_plan`)."""
 
-        def moved(row: torch.Tensor) -> torch.Tensor:
-            kept = row[..., :size].clone()
-            kept[..., holes] = row[..., movers]
-            return kept
+        def moved(row: torch.Tensor) -> torch.Tensor:  # out of place: one copy, one scatter
+            return row[..., :size].index_copy(-1, holes, row.index_select(-1, movers))
 
         chunk = moved(self.chunk)
         return SlotTable(moved(self.time), moved(self.score), chunk, moved(self.position),
