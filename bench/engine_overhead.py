@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from deltas_ros.backend import fill_slots
-from deltas_ros.drift import state_drift, write_strength
+from deltas_ros.drift import stacked_drift, write_strength
 from deltas_ros.maker import config_from_file
 from deltas_ros.memory import MemoryConfig, StreamingMemory
 from deltas_ros.model import LoadedModel
@@ -138,6 +138,18 @@ def run_policies(loaded: LoadedModel, chunks: Frames,
     return {run.policy: run.row() for run in runs}
 
 
+def previous_signal(before: list[torch.Tensor], after: list[torch.Tensor]) -> list[float]:
+    """The signal as the engine computed it before issue 14 (kept here only to time it beside
+    the current one): per-layer clones taken by the caller, then three _foreach norms, a
+    torch.where for the first-chunk rule and one transfer."""
+    change = torch.stack(torch._foreach_norm(torch._foreach_sub(after, before)))
+    reference = torch.stack(torch._foreach_norm(before))
+    fresh = torch.stack(torch._foreach_norm(after))
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.where(reference > 0, change / reference.clamp_min(tiny),
+                       (fresh > 0).float()).tolist()
+
+
 def micro(device: torch.device, dtype: torch.dtype, config_path: str, budget: int,
           chunk_tokens: int, reps: int) -> dict[str, Any]:
     """Signal and eviction on synthetic tensors of a config's real sizes (median of reps)."""
@@ -157,13 +169,32 @@ def micro(device: torch.device, dtype: torch.dtype, config_path: str, budget: in
     slot_time = slot_chunk.double()
     slot_score = torch.rand(int(slot_chunk[-1]) + 1)[slot_chunk]
 
-    signal, overhead, selection, gather, fill = [], [], [], [], []
+    def stacked(states: list[torch.Tensor]) -> tuple[torch.Tensor, list, list]:
+        """Reused (2, L, n) buffer and its per-layer views, cut once (as Backend.snapshot)."""
+        buffer = torch.zeros(2, len(states), states[0].numel(), device=device)
+        after_rows, before_rows = ([row.view(states[0].shape) for row in half.unbind(0)]
+                                   for half in buffer.unbind(0))
+        return buffer, after_rows, before_rows
+
+    def signal_now(states: list[torch.Tensor], new: list[torch.Tensor], layout) -> list[float]:
+        """The engine's signal (Backend.snapshot + Backend.drift): two multi-tensor copies into
+        the reused buffer, stacked_drift."""
+        buffer, after_rows, before_rows = layout
+        torch._foreach_copy_(before_rows, states)
+        torch._foreach_copy_(after_rows, new)
+        return stacked_drift(buffer)[1]
+
+    work, tiny_work = stacked(before), stacked(tiny)
+
+    signal, overhead, selection, gather, fill, previous = [], [], [], [], [], []
     for rep in range(reps + 1):  # the first repetition warms up
         t0 = now(device)
-        state_drift([s.clone() for s in before], after)
+        signal_now(before, after, work)
         t1 = now(device)
-        state_drift([s.clone() for s in tiny], tiny)
+        signal_now(tiny, tiny, tiny_work)
         t2 = now(device)
+        previous_signal([s.clone() for s in before], after)
+        t2b = now(device)
         keep = select_keep(slot_time, slot_score, budget, MICRO_SINKS, MICRO_WINDOW,
                            MICRO_BUCKETS)
         t3 = now(device)
@@ -184,8 +215,9 @@ def micro(device: torch.device, dtype: torch.dtype, config_path: str, budget: in
         del filled, slots, held
         if rep:
             signal.append((t1 - t0) * 1e3)
+            previous.append((t2b - t2) * 1e3)
             overhead.append((t2 - t1) * 1e3)
-            selection.append((t3 - t2) * 1e3)
+            selection.append((t3 - t2b) * 1e3)
             gather.append((t4 - t3) * 1e3)
             fill.append((t6 - t5) * 1e3)
     state_mib = sum(s.nbytes for s in before) / 2**20
@@ -194,6 +226,7 @@ def micro(device: torch.device, dtype: torch.dtype, config_path: str, budget: in
             "budget": budget, "chunk_tokens": chunk_tokens, "reps": reps,
             "state_mib": state_mib, "kv_mib_at_budget": kv_mib,
             "signal_ms": median(signal), "signal_overhead_ms": median(overhead),
+            "signal_previous_ms": median(previous),
             "select_ms": median(selection),
             "gather_ms": median(gather), "fill_ms": median(fill),
             "evict_ms": median([s + g for s, g in zip(selection, gather)]),
@@ -224,6 +257,8 @@ def report(results: dict[str, Any], cuda: bool) -> str:
     body += md_table(["operation", "ms", "paper (GPU)", "H200 floor"], [
         [f"signal: snapshot {m['state_mib']:.0f} MiB of fp32 states + norms",
          f"{m['signal_ms']:.3f}", PAPER["signal_ms"], FLOOR_MS["signal"]],
+        ["signal, previous engine (per-layer clones + 3 _foreach norms + torch.where), same run",
+         f"{m['signal_previous_ms']:.3f}", "", ""],
         ["signal: the same ops on 1-element states (per-op dispatch/launch overhead)",
          f"{m['signal_overhead_ms']:.3f}", "", ""],
         ["eviction: select_keep over M + chunk slots", f"{m['select_ms']:.3f}", "", ""],

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from bench import bounded_memory, end_to_end, engine_overhead, ingest, retention
+from bench import bounded_memory, end_to_end, engine_overhead, ingest, node_path, retention
 from bench.common import bench_model
 from deltas_ros.policy import POLICY_NAMES
 
@@ -70,6 +73,29 @@ def test_engine_overhead(tmp_path):
     assert micro["budget"] == 2048 and micro["state_mib"] == 48
     assert micro["signal_ms"] > 0 and micro["evict_ms"] >= micro["select_ms"] > 0
     assert {c["result"].split()[0] for c in results["checks"]} <= {"PASS", "FAIL", "n/a"}
+
+
+def test_node_path(tmp_path):
+    node_path.main(["--chunks", "12", "--budget", "120", "--window", "40", "--ask-every", "5",
+                    "--max-new-tokens", "2", "--sample-every", "4", *TINY_STREAM,
+                    "--out", str(tmp_path)])
+    results = written(tmp_path, "node_path")
+    assert results["eviction_events"] > 0 and results["max_kv_tokens"] <= 120
+    assert [q["chunk"] for q in results["questions"]] == [4, 9]
+    assert results["signal_ms"] > 0 and results["evict_ms_per_event"] > 0
+    assert results["flatness_of"] == "rss_bytes" and [s["chunk"] for s in results["samples"]] \
+        == [3, 7, 11]
+
+
+def test_gpu_script_smoke_mode_runs_every_step_on_the_cpu(tmp_path):
+    """bench/gpu.sh SMOKE=1: the GPU script's own steps and arguments, tiny and on the CPU."""
+    env = os.environ | {"SMOKE": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", "bench/gpu.sh"], cwd=Path(__file__).resolve().parents[1],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("engine_overhead", "node_path", "bounded_memory"):
+        assert written(tmp_path, name)["command"].split(" -m ")[1].startswith(f"bench.{name}")
+    assert written(tmp_path, "node_path")["questions"]
 
 
 def test_bounded_memory(tmp_path):
