@@ -178,6 +178,7 @@ class MemoryNode(Node):
                 response.error = str(error)
             else:
                 response.success, response.answer = True, answer.text
+                response.truncated = answer.truncated
                 response.evidence_times = answer.evidence_times
                 response.evidence_stamps = [to_time_msg(s) for s in answer.evidence_stamps
                                             if s is not None]
