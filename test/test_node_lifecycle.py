@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 from deltas_ros.srv import AskMemory
+from ros_helpers import Tester, raw_frame, start, status_values, stop
 from sensor_msgs.msg import Image
-from test_node import Tester, raw_frame, start, status_values, stop
 
 
 @pytest.fixture
