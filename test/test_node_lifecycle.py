@@ -72,13 +72,8 @@ def wait_for_line(process: subprocess.Popen, text: str, timeout_s: float = 120.0
 def exit_after(process: subprocess.Popen, sig: int) -> tuple[int, float, str]:
     """(return code, seconds from the signal to the exit, the rest of stderr)."""
     sent = time.monotonic()
-    process.send_signal(sig)
-    try:
-        _, err = process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, err = process.communicate()
-    return process.returncode, time.monotonic() - sent, err
+    code, err = stop(process, sig)
+    return code, time.monotonic() - sent, err
 
 
 @pytest.mark.parametrize("sig,delay_s", [(signal.SIGINT, 0.0), (signal.SIGINT, 0.5),
