@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +35,22 @@ from deltas_ros.memory_files import read_metadata
 from deltas_ros.node import QUESTION_SLOTS
 
 REPO = Path(__file__).resolve().parents[1]
-VENV = REPO / ".venv"
+
+
+def package_prefix() -> Path:
+    """Where deltas_ros is installed: the sourced ROS install (`colcon test`) when the ament
+    index knows it, else this interpreter's prefix (scripts/setup.sh installs into .venv)."""
+    if os.environ.get("AMENT_PREFIX_PATH"):
+        from ament_index_python.packages import PackageNotFoundError, get_package_prefix
+
+        try:
+            return Path(get_package_prefix("deltas_ros"))
+        except PackageNotFoundError:
+            pass
+    return Path(sys.prefix)
+
+
+PREFIX = package_prefix()
 BASE_STAMP = 1_700_000_000.0
 SMALL = {"pixel_budget": "4096", "budget_tokens": "120", "window_tokens": "40",
          "max_new_tokens": "4", "silence_warn_s": "2.0"}
@@ -42,7 +58,7 @@ SMALL = {"pixel_budget": "4096", "budget_tokens": "120", "window_tokens": "40",
 
 def node_command(model_dir: Path, topic: str, **overrides: str) -> list[str]:
     """The command line launch/deltas.launch.py produces, plus test-size overrides."""
-    args = [str(VENV / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
+    args = [str(PREFIX / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
             "-r", "__node:=deltas_memory",
             "--params-file", str(REPO / "config" / "deltas.yaml"),
             "-p", f"model_path:={model_dir}", "-p", f"image_topic:={topic}",
@@ -415,7 +431,7 @@ def test_ask_command_line_prints_the_answer(raw_node, ros_domain):
     # (late on a busy machine): the answer must see both chunks.
     tester.wait_for(lambda: len(tester.drift) >= 2, timeout=120)
     result = subprocess.run(
-        [str(VENV / "bin" / "python"), "-m", "deltas_ros.cli", "ask", "What did you see?",
+        [sys.executable, "-m", "deltas_ros.cli", "ask", "What did you see?",
          "--wait-idle", "--max-new-tokens", "3", "--timeout", "60"],
         env=ros_domain, capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stderr
