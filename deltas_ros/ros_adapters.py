@@ -74,6 +74,7 @@ def declare_parameters(node: Node) -> dict[str, Any]:
 
 
 def drift_message(chunk: SampledChunk, result: ChunkResult, frame_id: str) -> DriftScore:
+    """One chunk's DriftScore; its pose (ros_memory.pose_stamped) is set by the caller."""
     msg = DriftScore(chunk_index=chunk.index, stream_time=result.time, drift=result.drift,
                      layer_drift=[float(x) for x in result.layer_drift],
                      chunk_tokens=result.chunk_tokens, kv_tokens=result.kv_tokens,

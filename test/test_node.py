@@ -216,7 +216,7 @@ def status_values(status: DiagnosticStatus) -> dict[str, str]:
 
 
 def stamp_msg(stamp: float):
-    from deltas_ros.node import to_time_msg
+    from deltas_ros.ros_adapters import to_time_msg
 
     return to_time_msg(stamp)
 
