@@ -49,6 +49,7 @@ from .msg import DriftScore
 from .ros_adapters import (
     BoundedCallbackGroup,
     CameraSubscription,
+    camera_topic,
     declare_parameters,
     diagnostics_message,
     drift_message,
@@ -99,7 +100,8 @@ class MemoryNode(Node):
         self.create_timer(1.0, self._on_timer, callback_group=MutuallyExclusiveCallbackGroup(),
                           clock=Clock(clock_type=ClockType.STEADY_TIME))
         self.camera = CameraSubscription(
-            self, CompressedImage if p["compressed"] else Image, p["image_topic"],
+            self, CompressedImage if p["compressed"] else Image,
+            camera_topic(self, p["compressed"], p["image_topic"]),
             self._on_frame, p["reliable_qos"], FRAME_HISTORY)
         self.poses = PoseInput(self, p["pose_topic"], p["pose_type"], p["pose_max_gap_s"]) \
             if p["pose_topic"] else None

@@ -13,7 +13,11 @@ from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.callback_groups import CallbackGroup, MutuallyExclusiveCallbackGroup
-from rclpy.event_handler import SubscriptionEventCallbacks
+
+try:
+    from rclpy.event_handler import SubscriptionEventCallbacks
+except ImportError:  # Humble's rclpy names the module qos_event
+    from rclpy.qos_event import SubscriptionEventCallbacks
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header
@@ -91,6 +95,21 @@ def diagnostics_message(stamp: Time, name: str, level: int, message: str, hardwa
                               hardware_id=hardware_id,
                               values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])
     return DiagnosticArray(header=Header(stamp=stamp), status=[status])
+
+
+def camera_topic(node: Node, compressed: bool, image_topic: str) -> str:
+    """The camera topic: the relative name `image` when it is remapped (`-r image:=/cam`; as
+    image_transport names it, `<image>/compressed` when compressed, or `image/compressed`
+    remapped itself), else the image_topic parameter."""
+    def remapped(name: str) -> str | None:
+        resolved = node.resolve_topic_name(name)
+        return resolved if resolved != node.resolve_topic_name(name, only_expand=True) else None
+
+    if compressed and (topic := remapped("image/compressed")):
+        return topic
+    if topic := remapped("image"):
+        return f"{topic}/compressed" if compressed else topic
+    return image_topic
 
 
 class CameraSubscription:

@@ -99,7 +99,7 @@ class MemoryImageTopic:
 
     def chunk_done(self, result: ChunkResult, frame: np.ndarray, held: list[int],
                    frame_id: str) -> None:
-        if result.index <= self.last_index:  # a reset or a load started the chunks over
+        if result.index != self.last_index + 1:  # a reset or a load: another memory's chunks
             self.strip = MemoryImage(self.strip.max_thumbnails)
         first = not self.strip.thumbnails
         self.strip.add(result.index, result.time, result.drift, frame)

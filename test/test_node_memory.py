@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -23,10 +24,11 @@ from safetensors.torch import load_file
 from sensor_msgs.msg import Image
 from test_node import (  # noqa: F401 (ros_domain: a fixture)
     BASE_STAMP,
+    SMALL,
     Tester,
+    node_command,
     ros_domain,
     stamp_msg,
-    start,
     status_values,
     stop,
 )
@@ -122,8 +124,11 @@ class MemoryTester(Tester):
 
 @pytest.fixture(scope="module")
 def node(tiny_model_dir, ros_domain):  # noqa: F811 (the fixture imported above)
-    process = start(tiny_model_dir, ros_domain, reliable_qos="true", pose_topic="/robot_pose",
-                    pose_type="pose_stamped", max_question_s="120.0")
+    # The camera reaches the node only through the remapped relative name `image`.
+    command = node_command(tiny_model_dir, "/not/the/camera", **(SMALL | dict(
+        reliable_qos="true", pose_topic="/robot_pose", pose_type="pose_stamped")))
+    process = subprocess.Popen(command + ["-r", "image:=/camera/image_raw"], env=ros_domain,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tester = MemoryTester()
     try:
         tester.wait_ready(process)
