@@ -263,16 +263,18 @@ class MemoryNode(Node):
 
 def main(args: list[str] | None = None) -> int:
     rclpy.init(args=args)
+    # Before the node: a signal during start-up shuts the context down, after which no executor
+    # can be made (it once failed with "the given context is not valid").
+    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
     try:
         node = MemoryNode()
-    except (ValueError, FileNotFoundError, OSError, RuntimeError) as error:
-        rclpy.logging.get_logger("deltas_memory").fatal(f"cannot start: {error}")
-        rclpy.try_shutdown()
-        return 1
     except KeyboardInterrupt:  # Ctrl-C before the node was up (and before its threads)
-        rclpy.try_shutdown()
-        return 0
-    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
+        return _close(executor, 0)
+    except (ValueError, OSError, RuntimeError) as error:  # RCLError is a RuntimeError
+        if not rclpy.ok():  # SIGTERM while constructing: the context is gone, not an error
+            return _close(executor, 0)
+        rclpy.logging.get_logger("deltas_memory").fatal(f"cannot start: {error}")
+        return _close(executor, 1)
     try:
         executor.add_node(node)
         executor.spin()
@@ -290,6 +292,13 @@ def main(args: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    return code
+
+
+def _close(executor: MultiThreadedExecutor, code: int) -> int:
+    """Leave before a node existed: the executor and the context, nothing else."""
+    executor.shutdown(timeout_sec=0.0)
+    rclpy.try_shutdown()
     return code
 
 

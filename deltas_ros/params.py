@@ -152,4 +152,5 @@ def memory_config(values: dict[str, Any]) -> MemoryConfig:
         pixel_budget=values["pixel_budget"],
         max_new_tokens=values["max_new_tokens"],
         evidence_chunks=values["evidence_chunks"],
+        max_question_s=values["max_question_s"],
     )

@@ -52,7 +52,7 @@ def pose_stamped(pose: Pose | None, stamp: float | None) -> PoseStamped:
 def fill_answer(target: Any, answer: Answer) -> None:
     """AskMemory.Response / AskMemory action Result fields from an answer. The three evidence
     arrays have one entry per evidence chunk (zero stamps, empty poses where unknown)."""
-    target.answer = answer.text
+    target.answer, target.truncated = answer.text, answer.truncated
     target.evidence_times = [float(t) for t in answer.evidence_times]
     target.evidence_stamps = [Time() if s is None else to_time_msg(s)
                               for s in answer.evidence_stamps]

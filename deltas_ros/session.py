@@ -229,7 +229,7 @@ class Session:
         """Worker thread: write the memory and its stream record to `path` (inside memory_dir)."""
         stream = self.record.to_json() if self.record else {}
         save_memory(memory, self.files.for_saving(path), extra={"stream": stream},
-                    **self._key_argument())
+                    key=self.key)
         return self._done(memory, record=self.record)
 
     def load(self, memory: StreamingMemory, path: Path) -> OpResult:
@@ -239,7 +239,7 @@ class Session:
         extra = read_metadata(path).get("extra", {})
         record = StreamRecord.from_json(extra.get("stream", {}) if isinstance(extra, dict)
                                         else extra)
-        load_memory(memory, path, **self._key_argument())
+        load_memory(memory, path, key=self.key)
         with self.frame_lock:
             discarded = self.worker.discard_chunks() if self.worker else 0
             if record is None:
@@ -265,10 +265,6 @@ class Session:
               discarded: int = 0) -> OpResult:
         self.record, self.stats = record, memory.stats()
         return OpResult(memory.chunks_seen, memory.kv_tokens, discarded)
-
-    def _key_argument(self) -> dict[str, bytes]:
-        """persist's keyed checksum, only when a key is configured."""
-        return {"key": self.key} if self.key is not None else {}
 
     # ----------------------------------------------------------------------------- requests
     def question_refusal(self, question: str, max_new_tokens: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,23 @@ def ros_env(tmp_path, monkeypatch) -> dict[str, str]:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return dict(os.environ)
+
+
+@pytest.fixture(scope="module")
+def ros_domain(tmp_path_factory) -> Iterator[dict[str, str]]:
+    env = {"ROS_DOMAIN_ID": str(random.Random(os.getpid()).randint(101, 200)),
+           "ROS_LOG_DIR": str(tmp_path_factory.mktemp("ros_log")),
+           "ROS_HOME": str(tmp_path_factory.mktemp("ros_home")),  # memory_dir's default
+           "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
+           "PYTHONUNBUFFERED": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield dict(os.environ)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 # Markers, so a newcomer can run the millisecond unit tests alone:

@@ -62,3 +62,23 @@ def assert_same_state(a: MemoryState, b: MemoryState) -> None:
         assert torch.equal(a.tensors[name], b.tensors[name]), name
     assert (a.next_position, a.chunks_seen, a.compactions, a.chunk_stamps, a.chunk_poses) == (
         b.next_position, b.chunks_seen, b.compactions, b.chunk_stamps, b.chunk_poses)
+
+
+def any_call(*args, **kwargs) -> bool:
+    return True
+
+
+def fail_on_call(monkeypatch, owner, name: str, n: int, only=any_call) -> list[int]:
+    """Make owner.name raise CUDA out of memory on its n-th call that `only` selects."""
+    original = getattr(owner, name)
+    calls = []
+
+    def failing(*args, **kwargs):
+        if only(*args, **kwargs):
+            calls.append(len(calls) + 1)
+            if len(calls) == n:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    return calls

@@ -5,7 +5,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
+from engine_helpers import TINY_FRAMES, any_call, assert_same_state, fail_on_call, feed, frozen
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5VisionModel
@@ -18,28 +18,8 @@ FAULT_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=4, **TIN
 LAST_ATTENTION = 7  # the tiny model's second full-attention layer
 
 
-def any_call(*args, **kwargs) -> bool:
-    return True
-
-
 def last_attention_layer(module, *args, **kwargs) -> bool:
     return module.layer_idx == LAST_ATTENTION
-
-
-def fail_on_call(monkeypatch, owner, name: str, n: int, only=any_call) -> list[int]:
-    """Make owner.name raise CUDA out of memory on its n-th call that `only` selects."""
-    original = getattr(owner, name)
-    calls = []
-
-    def failing(*args, **kwargs):
-        if only(*args, **kwargs):
-            calls.append(len(calls) + 1)
-            if len(calls) == n:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, failing)
-    return calls
 
 
 @pytest.mark.parametrize("owner, name, only", [

@@ -6,251 +6,34 @@ executable with config/deltas.yaml and the launch file's overrides.
 
 from __future__ import annotations
 
-import os
-import random
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import cv2
-import numpy as np
 import pytest
-import rclpy
-from deltas_ros.msg import DriftScore
-from deltas_ros.srv import AskMemory, MemoryFile
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from deltas_ros.srv import MemoryFile
+from diagnostic_msgs.msg import DiagnosticStatus
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
-from rclpy.node import Node
-from rosgraph_msgs.msg import Clock
+from ros_helpers import (
+    BASE_STAMP,
+    Tester,
+    indices,
+    raw_frame,
+    scene,
+    stamp_msg,
+    start,
+    status_values,
+    stop,
+)
 from sensor_msgs.msg import CompressedImage, Image
-from std_srvs.srv import Trigger
 
 from deltas_ros.memory_files import read_metadata
 from deltas_ros.node import QUESTION_SLOTS
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def package_prefix() -> Path:
-    """Where deltas_ros is installed: the sourced ROS install (`colcon test`) when the ament
-    index knows it, else this interpreter's prefix (scripts/setup.sh installs into .venv)."""
-    if os.environ.get("AMENT_PREFIX_PATH"):
-        from ament_index_python.packages import PackageNotFoundError, get_package_prefix
-
-        try:
-            return Path(get_package_prefix("deltas_ros"))
-        except PackageNotFoundError:
-            pass
-    return Path(sys.prefix)
-
-
-PREFIX = package_prefix()
-BASE_STAMP = 1_700_000_000.0
-SMALL = {"pixel_budget": "4096", "budget_tokens": "120", "window_tokens": "40",
-         "max_new_tokens": "4", "silence_warn_s": "2.0"}
-
-
-def node_command(model_dir: Path, topic: str, **overrides: str) -> list[str]:
-    """The command line launch/deltas.launch.py produces, plus test-size overrides."""
-    args = [str(PREFIX / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
-            "-r", "__node:=deltas_memory",
-            "--params-file", str(REPO / "config" / "deltas.yaml"),
-            "-p", f"model_path:={model_dir}", "-p", f"image_topic:={topic}",
-            "-p", "use_sim_time:=false"]
-    for key, value in overrides.items():
-        args += ["-p", f"{key}:={value}"]
-    return args
-
-
-@pytest.fixture(scope="module")
-def ros_domain(tmp_path_factory) -> Iterator[dict[str, str]]:
-    env = {"ROS_DOMAIN_ID": str(random.Random(os.getpid()).randint(101, 200)),
-           "ROS_LOG_DIR": str(tmp_path_factory.mktemp("ros_log")),
-           "ROS_HOME": str(tmp_path_factory.mktemp("ros_home")),  # memory_dir's default
-           "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
-           "PYTHONUNBUFFERED": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield dict(os.environ)
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-class Tester:
-    """This process's side of the graph: camera publisher, listeners, service clients."""
-
-    __test__ = False  # a helper, not a test class
-
-    def __init__(self, namespace: str = "/deltas_memory", topic: str = "/camera/image_raw",
-                 compressed: bool = False) -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context)
-        self.node = Node("tester", context=self.context)
-        self.lock = threading.Lock()
-        self.drift: list[DriftScore] = []
-        self.diagnostics: list[DiagnosticArray] = []
-        msg_type = CompressedImage if compressed else Image
-        self.camera = self.node.create_publisher(msg_type, topic, 50)
-        self.clock = self.node.create_publisher(Clock, "/clock", 10)
-        self.node.create_subscription(DriftScore, f"{namespace}/drift", self._on_drift, 100)
-        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 10)
-        self.ask_client = self.node.create_client(AskMemory, f"{namespace}/ask_memory")
-        self.reset_client = self.node.create_client(Trigger, f"{namespace}/reset_memory")
-        self.params_client = self.node.create_client(SetParameters,
-                                                     f"{namespace}/set_parameters")
-        self.executor = SingleThreadedExecutor(context=self.context)
-        self.executor.add_node(self.node)
-        self.thread = threading.Thread(target=self._spin, daemon=True)
-        self.thread.start()
-
-    def _spin(self) -> None:
-        try:
-            while self.context.ok():
-                self.executor.spin_once(timeout_sec=0.05)
-        except ExternalShutdownException:
-            pass
-
-    def _on_drift(self, msg: DriftScore) -> None:
-        with self.lock:
-            self.drift.append(msg)
-
-    def _on_diag(self, msg: DiagnosticArray) -> None:
-        with self.lock:
-            self.diagnostics.append(msg)
-
-    def wait_ready(self, process: subprocess.Popen, timeout: float = 180.0) -> None:
-        """Until the model is loaded: an empty question is refused as empty, not "not ready"."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise AssertionError(f"node exited early: {process.stderr.read()}")
-            if self.ask_client.service_is_ready() and self.camera.get_subscription_count():
-                try:
-                    if "not ready" not in self.ask(" ", timeout=10).error:
-                        return
-                except AssertionError:  # no answer yet: a starting node can be that busy
-                    pass
-            time.sleep(0.1)
-        raise AssertionError("node did not come up")
-
-    def call(self, client, request, timeout: float = 60.0):
-        # A request sent before the client has discovered the service is lost.
-        assert client.wait_for_service(timeout_sec=30), f"no {client.srv_name} service"
-        future = client.call_async(request)
-        deadline = time.monotonic() + timeout
-        while not future.done():
-            assert time.monotonic() < deadline, "service call timed out"
-            time.sleep(0.02)
-        return future.result()
-
-    def ask(self, question: str, max_new_tokens: int = 0,
-            timeout: float = 60.0) -> AskMemory.Response:
-        return self.call(self.ask_client,
-                         AskMemory.Request(question=question, max_new_tokens=max_new_tokens),
-                         timeout)
-
-    def reset(self) -> None:
-        assert self.call(self.reset_client, Trigger.Request()).success
-        with self.lock:
-            self.drift.clear()
-
-    def stream(self, seconds: float, speed: float = 1.0, fps: float = 30.0,
-               start: float = BASE_STAMP, make=None, on_frame=None) -> None:
-        """Publish `seconds` of frames with stamps start + i/fps, paced at `speed` x real time."""
-        make = make or raw_frame
-        wall0 = time.monotonic()
-        for i in range(int(seconds * fps)):
-            stamp = start + i / fps
-            self.camera.publish(make(i, stamp))
-            self.clock.publish(Clock(clock=stamp_msg(stamp)))
-            if on_frame:
-                on_frame(i)
-            delay = wall0 + (i + 1) / fps / speed - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-
-    def wait_for(self, predicate, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if predicate():
-                    return
-            time.sleep(0.05)
-        raise AssertionError("condition not reached in time")
-
-    def last_status(self) -> tuple[int, dict[str, str]]:
-        with self.lock:
-            status = self.diagnostics[-1].status[0]
-        return status.level, status_values(status)
-
-    def wait_for_status(self, predicate, timeout: float = 15.0) -> DiagnosticStatus:
-        """The newest diagnostics status once `predicate` holds for it: reports come once a
-        second, later on a busy machine, so poll rather than sleep a fixed time."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                status = self.diagnostics[-1].status[0] if self.diagnostics else None
-            if status is not None and predicate(status):
-                return status
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no such diagnostics status in time; newest: {status}")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-        self.thread.join(2)
-
-
-def status_values(status: DiagnosticStatus) -> dict[str, str]:
-    return {kv.key: kv.value for kv in status.values}
-
-
-def stamp_msg(stamp: float):
-    from deltas_ros.ros_adapters import to_time_msg
-
-    return to_time_msg(stamp)
-
-
-def scene(i: int) -> np.ndarray:
-    """A still scene that changes every 2 s (a new random texture), 120x160 RGB."""
-    rng = np.random.default_rng(i // 60)
-    return rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)
-
-
-def raw_frame(i: int, stamp: float, encoding: str = "rgb8") -> Image:
-    pixels = scene(i)
-    msg = Image(height=120, width=160, encoding=encoding, step=160 * 3,
-                data=pixels.tobytes())
-    msg.header.stamp = stamp_msg(stamp)
-    msg.header.frame_id = "camera"
-    return msg
-
-
-def start(model_dir: Path, env: dict[str, str], topic: str = "/camera/image_raw",
-          **overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(node_command(model_dir, topic, **(SMALL | overrides)), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def stop(process: subprocess.Popen, sig: int = signal.SIGINT) -> tuple[int, str]:
-    if process.poll() is None:
-        process.send_signal(sig)
-    try:
-        _, err = process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, err = process.communicate()
-    return process.returncode, err
 
 
 @pytest.fixture(scope="module")
@@ -269,10 +52,9 @@ def raw_node(tiny_model_dir, ros_domain):
         tester.close()
         code, err = stop(process)
         print(f"memory_node exited {code}; stderr:\n{err[-5000:]}")
-
-
-def indices(msgs: list[DriftScore]) -> list[int]:
-    return [m.chunk_index for m in msgs]
+    # SIGINT after every test of the module used the node: a clean exit (checked here, not in a
+    # test that would have to run last).
+    assert code == 0 and "Traceback" not in err, err[-5000:]
 
 
 def test_streams_one_drift_per_second_and_answers_while_streaming(raw_node):
@@ -634,13 +416,6 @@ def test_corrupt_model_stops_the_node_with_the_reason(tmp_path, ros_domain):
     process.wait(timeout=180)
     assert process.returncode == 1
     assert "cannot load the model" in process.stderr.read()
-
-
-def test_sigint_stops_cleanly(raw_node):
-    _, process = raw_node
-    code, err = stop(process)
-    assert code == 0
-    assert "Traceback" not in err
 
 
 def test_saved_memory_continues_bit_identically_after_a_restart(tiny_model_dir, ros_domain,

@@ -15,11 +15,11 @@ from pathlib import Path
 import rclpy
 from deltas_ros.srv import MemoryFile
 from diagnostic_msgs.msg import DiagnosticStatus
+from engine_helpers import fail_on_call
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.parameter import Parameter
+from ros_helpers import SMALL, Tester
 from std_srvs.srv import Trigger
-from test_faults import fail_on_call
-from test_node import SMALL, Tester
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
 from deltas_ros import node as node_module

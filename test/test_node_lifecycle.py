@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 from deltas_ros.srv import AskMemory
+from ros_helpers import Tester, raw_frame, start, status_values, stop
 from sensor_msgs.msg import Image
-from test_node import Tester, raw_frame, start, status_values, stop
 
 
 @pytest.fixture
@@ -72,13 +72,8 @@ def wait_for_line(process: subprocess.Popen, text: str, timeout_s: float = 120.0
 def exit_after(process: subprocess.Popen, sig: int) -> tuple[int, float, str]:
     """(return code, seconds from the signal to the exit, the rest of stderr)."""
     sent = time.monotonic()
-    process.send_signal(sig)
-    try:
-        _, err = process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, err = process.communicate()
-    return process.returncode, time.monotonic() - sent, err
+    code, err = stop(process, sig)
+    return code, time.monotonic() - sent, err
 
 
 @pytest.mark.parametrize("sig,delay_s", [(signal.SIGINT, 0.0), (signal.SIGINT, 0.5),

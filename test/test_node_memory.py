@@ -20,18 +20,17 @@ from deltas_ros.srv import AskMemory, MemoryFile
 from geometry_msgs.msg import PoseStamped
 from rclpy.action import ActionClient
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
-from safetensors.torch import load_file
-from sensor_msgs.msg import Image
-from test_node import (  # noqa: F401 (ros_domain: a fixture)
+from ros_helpers import (
     BASE_STAMP,
     SMALL,
     Tester,
     node_command,
-    ros_domain,
     stamp_msg,
     status_values,
     stop,
 )
+from safetensors.torch import load_file
+from sensor_msgs.msg import Image
 
 from deltas_ros.memory_image import GAP, LABEL_H, THUMB_H, THUMB_W
 from deltas_ros.poses import Pose
@@ -123,7 +122,7 @@ class MemoryTester(Tester):
 
 
 @pytest.fixture(scope="module")
-def node(tiny_model_dir, ros_domain):  # noqa: F811 (the fixture imported above)
+def node(tiny_model_dir, ros_domain):
     # The camera reaches the node only through the remapped relative name `image`.
     command = node_command(tiny_model_dir, "/not/the/camera", **(SMALL | dict(
         reliable_qos="true", pose_topic="/robot_pose", pose_type="pose_stamped")))

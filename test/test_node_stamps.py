@@ -8,17 +8,16 @@ counted as bad.
 from __future__ import annotations
 
 import pytest
-from test_node import (  # noqa: F401 (ros_domain: a fixture)
+from ros_helpers import (
     BASE_STAMP,
     Tester,
     indices,
     raw_frame,
-    ros_domain,
     stamp_msg,
     start,
     status_values,
 )
-from test_node import stop as stop_node
+from ros_helpers import stop as stop_node
 
 CAMERA_FPS, SECONDS = 10.0, 3.0  # three chunks at the node's 2 fps, 2 frames per chunk
 ATTACK_AT = 14  # the attack follows frame 14 (1.4 s); frame 15 (1.5 s) fills a sampling slot

@@ -18,8 +18,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-from test_node import Tester as NodeTester  # not "Test*": pytest would try to collect it
-from test_node import node_command, stop
+from ros_helpers import Tester as NodeTester  # not "Test*": pytest would try to collect it
+from ros_helpers import node_command, stop
 
 from deltas_ros import cli
 from deltas_ros.bag import load_events

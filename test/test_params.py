@@ -57,6 +57,11 @@ def test_defaults_with_a_model_path_are_valid():
     assert params.validate(GOOD) is None
 
 
+def test_engine_limits_reach_the_memory_config():
+    config = params.memory_config(params.defaults() | GOOD | {"max_question_s": 7.5})
+    assert config.max_question_s == 7.5
+
+
 @pytest.mark.parametrize("change,reason", [
     ({"model_path": ""}, "model_path is required"),
     ({"fps": 0.0}, "fps must be within"),

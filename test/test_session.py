@@ -46,9 +46,9 @@ def wait_until(predicate, timeout_s: float = 60.0) -> bool:
 class Running:
     """A session with a worker over a fresh tiny memory, recording each chunk's report."""
 
-    def __init__(self, tiny_model, directory: Path, **values) -> None:
+    def __init__(self, tiny_model, directory: Path, key: bytes | None = None, **values) -> None:
         self.memory = StreamingMemory(tiny_model, params.memory_config(VALUES))
-        self.session = Session(VALUES | values, MemoryFiles(directory))
+        self.session = Session(VALUES | values, MemoryFiles(directory), key=key)
         self.reports: list[tuple[int, float, float]] = []  # (index, stream time, drift)
         self.session.attach(self.memory, self._on_chunk)
         self.worker = self.session.worker
@@ -78,8 +78,8 @@ class Running:
 def running(tiny_model, tmp_path):
     runs = []
 
-    def make(**values) -> Running:
-        runs.append(Running(tiny_model, tmp_path / "memory", **values))
+    def make(key: bytes | None = None, **values) -> Running:
+        runs.append(Running(tiny_model, tmp_path / "memory", key, **values))
         return runs[-1]
 
     yield make
@@ -196,6 +196,20 @@ def test_a_save_records_the_stream_the_memory_holds(running, tmp_path):
     restarted.call(lambda m: restarted.session.save(m, files.resolve("restarted")))
     extra = session_module.read_metadata(files.resolve("restarted"))["extra"]
     assert extra["stream"] == StreamRecord(BASE, BASE + 2.5, 3).to_json()
+
+
+def test_a_keyed_session_refuses_files_saved_without_its_key(running):
+    """memory_key_file: a file saved under another key (or none) is refused, memory untouched."""
+    keyed, other = running(key=b"k" * 32), running(key=b"x" * 32)
+    keyed.push(BASE, 2.0)
+    keyed.settle(2)
+    path = keyed.session.files.resolve("keyed")
+    keyed.call(lambda m: keyed.session.save(m, path))
+    assert keyed.call(lambda m: keyed.session.load(m, path)).chunks == 2
+    before = other.memory.export_state()
+    with pytest.raises(RuntimeError, match="HMAC"):  # the worker reports it as the failure
+        other.call(lambda m: other.session.load(m, path))
+    assert other.memory.export_state().chunks_seen == before.chunks_seen == 0
 
 
 @pytest.mark.parametrize("live_behind", [False, True])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from deltas_ros.srv import MemoryFile
 from diagnostic_msgs.msg import DiagnosticStatus
-from test_node import Tester, start, status_values, stop
+from ros_helpers import Tester, start, status_values, stop
 
 SOAK_S = float(os.environ.get("DELTAS_SOAK_S", "120"))  # simulated stream seconds
 SPEED = float(os.environ.get("DELTAS_SOAK_SPEED", "4"))  # stream seconds per wall second
