@@ -28,10 +28,13 @@ setup(
         "torchvision",
         "transformers>=5.24,<5.25",  # backend.py uses private names; see test_backend
         "safetensors",
+        "tokenizers",
         "opencv-python-headless",
         "rosbags",
         "matplotlib",
         "tqdm",
     ],
+    # fla's Triton kernels for the Gated DeltaNet layers on CUDA (torch's are used without it).
+    extras_require={"cuda": ["flash-linear-attention"]},
     entry_points={"console_scripts": ["deltas-ros = deltas_ros.cli:main"]},
 )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -29,28 +31,65 @@ def accept_question(question: str, max_new_tokens: int | None, config: MemoryCon
 
 
 def decode(backend: Backend, hidden: torch.Tensor, position: int, limit: int,
-           stop_ids: set[int], deadline: float) -> tuple[list[int], bool]:
+           stop_ids: set[int], deadline: float,
+           on_token: Callable[[list[int]], None] | None = None,
+           cancelled: Callable[[], bool] | None = None) -> tuple[list[int], str]:
     """Greedy decoding after the question's hidden states (1, L, hidden) until end of turn,
-    `limit` tokens or the perf_counter `deadline`: (generated ids, stopped by the deadline)."""
+    `limit` tokens, the perf_counter `deadline` or `cancelled()`: (generated ids, why it stopped:
+    "end", "limit", "deadline" or "cancelled").
+
+    on_token(ids so far) is called after each token; `cancelled` is checked before each token,
+    so a cancel stops decoding within one token."""
     generated: list[int] = []
     while len(generated) < limit:
+        if cancelled is not None and cancelled():
+            return generated, "cancelled"
         if time.perf_counter() > deadline:
-            return generated, True
+            return generated, "deadline"
         token = backend.next_token(hidden)
         if token in stop_ids:
-            break
+            return generated, "end"
         generated.append(token)
+        if on_token is not None:
+            on_token(generated)
+        if len(generated) == limit:
+            break
         hidden = backend.step(token, position)
         position += 1
-    return generated, False
+    return generated, "limit"
 
 
-def evidence_chunks(slots: SlotTable, mass: torch.Tensor, count: int) -> list[int]:
-    """The `count` held chunks the question's attention mass (T,) per slot falls on most.
+def window_slots(slots: SlotTable, since: float | None, until: float | None) -> torch.Tensor:
+    """(T,) bool: the slots a question over stream times [since, until] may attend to: the chat
+    prefix and the slots of the held chunks whose stream time lies in the window (inclusive;
+    None leaves that side open). ValueError when no held chunk lies in it or since > until."""
+    if since is not None and until is not None and since > until:
+        raise ValueError(f"the window's since ({since}) is after its until ({until})")
+    for name, bound in (("since", since), ("until", until)):
+        if bound is not None and not math.isfinite(bound):
+            raise ValueError(f"the window's {name} must be finite, not {bound}")
+    inside = slots.chunk >= 0
+    if since is not None:
+        inside &= slots.time >= since
+    if until is not None:
+        inside &= slots.time <= until
+    if not inside.any():
+        span = slots.span()
+        raise ValueError(f"no retained chunk lies in the window [{since}, {until}] "
+                         f"(the memory holds stream times {span[0]:.2f}..{span[1]:.2f} s)")
+    return inside | (slots.chunk < 0)
+
+
+def evidence_chunks(slots: SlotTable, mass: torch.Tensor, count: int,
+                    allowed: torch.Tensor | None = None) -> list[int]:
+    """The `count` held chunks the question's attention mass (T,) per slot falls on most,
+    among the slots `allowed` (T,) bool (all when None).
 
     Sized by the chunks held, not by the chunk counter (which may be large after a long run).
     """
     held = slots.chunk >= 0
+    if allowed is not None:
+        held &= allowed
     chunks, slot_of = slots.chunk[held].unique(return_inverse=True)
     per_chunk = torch.zeros(chunks.numel()).index_add_(0, slot_of, mass[held])
     k = min(count, chunks.numel())

@@ -288,6 +288,29 @@ class Backend:
         for layer, new_keys in zip(layers, keys):
             layer.keys = new_keys
 
+    @contextmanager
+    def visible_slots(self, visible: torch.Tensor | None) -> Iterator[None]:
+        """While active, the full-attention layers see only slots `visible` (sorted indices):
+        each layer's keys and values are swapped for gathered copies, which a question's tokens
+        then extend, and the untouched originals are put back on exit. Since cached keys carry
+        their rotary positions, attending to the gathered slots is attending with the others
+        masked (test_memory compares them). None: no change."""
+        if visible is None:
+            yield
+            return
+        layers = [self.cache.layers[i] for i in self.full]
+        originals = [(layer.keys, layer.values) for layer in layers]
+        visible = visible.to(self.device)
+        gathered = [(gather_slots(k, visible), gather_slots(v, visible)) for k, v in originals]
+        try:
+            for layer, (keys, values) in zip(layers, gathered):
+                layer.keys, layer.values = keys, values
+            del gathered
+            yield
+        finally:
+            for layer, (keys, values) in zip(layers, originals):
+                layer.keys, layer.values = keys, values
+
     # ----------------------------------------------------------------------------- export
     def export_tensors(self) -> dict[str, torch.Tensor]:
         """The cache's tensors by name, by reference (see memory.MemoryState)."""

@@ -22,13 +22,13 @@ from __future__ import annotations
 import math
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from .asking import accept_question, decode, evidence_chunks
+from .asking import accept_question, decode, evidence_chunks, window_slots
 from .backend import Backend, StateSnapshot
 from .chunks import Chunk, ChunkBuilder
 from .memory_config import (
@@ -41,6 +41,7 @@ from .memory_config import (
 from .memory_results import Answer, ChunkResult, MemoryState, MemoryStats
 from .model import LoadedModel
 from .policy import ChunkSignals, make_policy, select_keep
+from .poses import Pose
 from .prompt import ChatLayout
 from .rope import compacted_positions
 from .slots import PREFIX_CHUNK, SlotTable, fill_plan
@@ -91,11 +92,13 @@ class StreamingMemory:
 
     @torch.inference_mode()
     def add_chunk(
-        self, frames: Sequence[np.ndarray], times: Sequence[float], stamp: float | None = None
+        self, frames: Sequence[np.ndarray], times: Sequence[float], stamp: float | None = None,
+        pose: Pose | None = None,
     ) -> ChunkResult:
         """Ingest one chunk: RGB uint8 frames (H x W x 3) and their stream times in seconds.
 
-        stamp: the chunk's last frame's header stamp (seconds), reported back as evidence.
+        stamp: the chunk's last frame's header stamp (seconds), reported back as evidence;
+        pose: where the robot was at that stamp (poses.PoseBuffer.at), kept with the chunk.
         Bad frames raise ValueError before anything changes. A failure while ingesting (e.g.
         out of memory) rolls the memory back to its state before the chunk and raises ChunkFailed;
         a position compaction the chunk needed first stays (it is complete on its own)."""
@@ -108,7 +111,7 @@ class StreamingMemory:
         t0 = self.backend.now()
         snapshot = self._snapshot()
         try:
-            return self._ingest(chunk, stamp, snapshot, t0, freed)
+            return self._ingest(chunk, stamp, snapshot, t0, freed, pose)
         except BaseException as error:
             failure = error
             traceback.clear_frames(error.__traceback__)  # drop the failed forward's tensors
@@ -117,7 +120,8 @@ class StreamingMemory:
         raise_rolled_back(ChunkFailed, f"chunk {self.chunks_seen}", failure, self.device)
 
     def _ingest(
-        self, chunk: Chunk, stamp: float | None, snapshot: _Snapshot, t0: float, freed: int
+        self, chunk: Chunk, stamp: float | None, snapshot: _Snapshot, t0: float, freed: int,
+        pose: Pose | None = None,
     ) -> ChunkResult:
         """Prefill, score and evict; may leave the memory half-updated if it raises."""
         t1 = self.backend.now()
@@ -134,7 +138,7 @@ class StreamingMemory:
                             if strengths else None),
         )
         self.slots = self.slots.append(chunk.time, index, self.policy.score(signals),
-                                       chunk.position_ids, stamp)
+                                       chunk.position_ids, stamp, pose)
         self.chunks_seen += 1
         self.next_position = chunk.next_position
         t4 = self.backend.now()
@@ -145,6 +149,7 @@ class StreamingMemory:
             chunk_tokens=chunk.num_tokens, kv_tokens=self.kv_tokens, evicted_tokens=evicted,
             forward_ms=(t2 - t1) * 1e3, signal_ms=((t1 - t0) + (t3 - t2)) * 1e3,
             evict_ms=(t5 - t4) * 1e3 if evicted else 0.0, stamp=stamp, positions_freed=freed,
+            pose=pose,
         )
 
     @torch.inference_mode()
@@ -205,21 +210,34 @@ class StreamingMemory:
 
     # ----------------------------------------------------------------------------- asking
     @torch.inference_mode()
-    def ask(self, question: str, max_new_tokens: int | None = None) -> Answer:
+    def ask(self, question: str, max_new_tokens: int | None = None, *,
+            since: float | None = None, until: float | None = None,
+            on_token: Callable[[str, int], None] | None = None,
+            cancelled: Callable[[], bool] | None = None) -> Answer:
         """Answer from what the memory holds; the memory is left bit-identical.
 
-        Validated first (lengths: ValueError, position room: RuntimeError), changing nothing;
-        positions are compacted only if question and answer would not fit otherwise. A failure
-        while answering (e.g. out of memory) raises QuestionFailed. After `max_question_s` the
-        answer so far is returned with `truncated` set."""
+        since, until: a stream-time window (seconds, inclusive, None = open): the question's
+        full-attention layers see only the chat prefix and the retained chunks whose time lies
+        in it, and the evidence comes only from them (the linear-attention states, a summary of
+        the whole stream, are not windowed). on_token(answer so far, tokens so far) is called as
+        each token is decoded; cancelled() is checked before each token, and a cancel returns
+        the answer so far with `cancelled` set.
+
+        Validated first (lengths, window: ValueError, position room: RuntimeError), changing
+        nothing; positions are compacted only if question and answer would not fit otherwise.
+        A failure while answering (e.g. out of memory, or from a callback) raises
+        QuestionFailed. After `max_question_s` the answer so far is returned with `truncated`."""
         start = time.perf_counter()
         ids = self.layout.question_ids(self.tokenizer, question) if question.strip() else []
         limit = accept_question(question, max_new_tokens, self.config, ids)
+        allowed = (None if since is None and until is None
+                   else window_slots(self.slots, since, until))
         self._make_room(len(ids) + limit, margin=0)
         kv_before = self.kv_tokens
         snapshot, failure = self._snapshot(), None
         try:
-            generated, evidence, truncated = self._answer(ids, kv_before, limit, start)
+            generated, evidence, stop = self._answer(ids, kv_before, limit, start, allowed,
+                                                     on_token, cancelled)
         except BaseException as error:
             failure = error
             traceback.clear_frames(error.__traceback__)
@@ -229,25 +247,41 @@ class StreamingMemory:
             raise_rolled_back(QuestionFailed, "the question", failure, self.device)
         span_start, span_end = self.slots.span()
         return Answer(
-            text=self.tokenizer.decode(generated, skip_special_tokens=True).strip(),
+            text=self._text(generated),
             evidence_times=[self.slots.chunk_time(c) for c in evidence],
             evidence_stamps=[self.slots.stamp(c) for c in evidence],
             memory_tokens=kv_before, span_start=span_start, span_end=span_end,
             latency_ms=(time.perf_counter() - start) * 1e3, generated_tokens=len(generated),
-            truncated=truncated,
+            truncated=stop == "deadline", cancelled=stop == "cancelled",
+            evidence_poses=[self.slots.pose(c) for c in evidence],
         )
 
-    def _answer(self, ids: list[int], kv_before: int, limit: int,
-                start: float) -> tuple[list[int], list[int], bool]:
-        """Prefill the question and decode: (generated ids, evidence chunks, truncated)."""
+    def _text(self, generated: list[int]) -> str:
+        return self.tokenizer.decode(generated, skip_special_tokens=True).strip()
+
+    def _answer(self, ids: list[int], kv_before: int, limit: int, start: float,
+                allowed: torch.Tensor | None,
+                on_token: Callable[[str, int], None] | None,
+                cancelled: Callable[[], bool] | None) -> tuple[list[int], list[int], str]:
+        """Prefill the question and decode: (generated ids, evidence chunks, why it stopped).
+
+        allowed (T,) bool: the slots the question may see (None: all)."""
         position = self.next_position
         positions = torch.arange(position, position + len(ids)).expand(3, 1, -1)
-        with self.backend.attention_mass(kv_before) as mass:
-            hidden = self.backend.prefill_text(torch.tensor([ids]), positions)
-        evidence = evidence_chunks(self.slots, mass, self.config.evidence_chunks)
-        generated, truncated = decode(self.backend, hidden, position + len(ids), limit,
-                                      self._stop_ids, start + self.config.max_question_s)
-        return generated, evidence, truncated
+        visible = None if allowed is None else allowed.nonzero().squeeze(1)
+        with self.backend.visible_slots(visible):
+            seen = kv_before if visible is None else visible.numel()
+            with self.backend.attention_mass(seen) as mass:
+                hidden = self.backend.prefill_text(torch.tensor([ids]), positions)
+            if visible is not None:  # back to one entry per slot of the whole cache
+                mass = torch.zeros(kv_before).index_copy_(0, visible, mass)
+            evidence = evidence_chunks(self.slots, mass, self.config.evidence_chunks, allowed)
+            tokens = None if on_token is None else (
+                lambda generated: on_token(self._text(generated), len(generated)))
+            generated, stop = decode(self.backend, hidden, position + len(ids), limit,
+                                     self._stop_ids, start + self.config.max_question_s,
+                                     tokens, cancelled)
+        return generated, evidence, stop
 
     # ----------------------------------------------------------------------------- rollback
     def _snapshot(self) -> _Snapshot:
@@ -266,7 +300,7 @@ class StreamingMemory:
         """The stream's whole state, by reference (no copies); see persist.save_memory."""
         return MemoryState(self.backend.export_tensors() | self.slots.export(),
                            self.next_position, self.chunks_seen, self.compactions,
-                           dict(self.slots.stamps))
+                           dict(self.slots.stamps), dict(self.slots.poses))
 
     @torch.inference_mode()
     def import_state(self, state: MemoryState) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .poses import Pose
+
 
 @dataclass
 class ChunkResult:
@@ -23,6 +25,7 @@ class ChunkResult:
     evict_ms: float
     stamp: float | None = None
     positions_freed: int = 0  # by a position compaction just before this chunk
+    pose: Pose | None = None  # the robot's pose at `stamp`, when known
 
 
 @dataclass
@@ -30,6 +33,8 @@ class Answer:
     """A question's answer and where in the retained stream it looked.
 
     truncated: the answer stopped at `max_question_s`, not at its end or its token limit.
+    cancelled: the caller cancelled it; `text` is the answer so far.
+    evidence_poses: the robot pose at each evidence chunk's stamp (None where unknown).
     """
 
     text: str
@@ -41,6 +46,8 @@ class Answer:
     latency_ms: float
     generated_tokens: int
     truncated: bool = False
+    cancelled: bool = False
+    evidence_poses: list[Pose | None] = field(default_factory=list)
 
 
 @dataclass
@@ -76,3 +83,4 @@ class MemoryState:
     chunks_seen: int
     compactions: int
     chunk_stamps: dict[int, float | None]
+    chunk_poses: dict[int, Pose | None] = field(default_factory=dict)

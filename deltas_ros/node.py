@@ -2,9 +2,12 @@
 
 Wiring only; the state and its rules live in session.py (no rclpy), the model in worker.py:
     camera callback -> Session.take_frame (FrameGate by header stamp) -> MemoryWorker
-    ~/ask_memory (AskMemory), ~/reset_memory (Trigger), ~/save_memory, ~/load_memory (MemoryFile)
-        -> MemoryWorker, between chunks; whole-memory operations are Session methods run there
-    MemoryWorker -> ~/drift (DriftScore, one per chunk); 1 Hz timer -> /diagnostics
+    ~/ask_memory (AskMemory), ~/ask (AskMemory action, ask_action.py), ~/reset_memory (Trigger),
+    ~/save_memory, ~/load_memory (MemoryFile) -> MemoryWorker, between chunks; whole-memory
+        operations are Session methods run there
+    pose_topic (optional) -> PoseInput; the worker tags each chunk with the pose at its stamp
+    MemoryWorker -> ~/drift (DriftScore, one per chunk), ~/memory_image after an eviction;
+    1 Hz timer -> /diagnostics
 
 Threads: a MultiThreadedExecutor runs the camera, the diagnostics timer, the memory services
 (reset, save, load) and the parameter services in mutually exclusive callback groups, and the
@@ -38,6 +41,7 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_srvs.srv import Trigger
 
 from . import params
+from .ask_action import ACTION_SLOTS, AskActionServer, window
 from .cdr import raw_header, raw_stamp
 from .frames import TimeEvent, decode_message
 from .memory import StreamingMemory
@@ -47,11 +51,12 @@ from .msg import DriftScore
 from .ros_adapters import (
     BoundedCallbackGroup,
     CameraSubscription,
+    camera_topic,
     declare_parameters,
     diagnostics_message,
     drift_message,
-    to_time_msg,
 )
+from .ros_memory import MemoryImageTopic, PoseInput, fill_answer, pose_stamped
 from .session import NOT_READY, Session, State
 from .srv import AskMemory, MemoryFile
 
@@ -59,7 +64,7 @@ FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
 SERVICE_QUEUE = 100  # requests held per service beyond those being served; more are dropped
 QUESTION_SLOTS = 4  # questions handed to the worker at once
 # Camera, diagnostics, memory services, parameter services, the question slots, and a spare.
-EXECUTOR_THREADS = QUESTION_SLOTS + 5
+EXECUTOR_THREADS = QUESTION_SLOTS + ACTION_SLOTS + 5
 SHUTDOWN_S = 3.0  # on SIGINT/SIGTERM, how long the model may finish its current item
 
 
@@ -97,8 +102,13 @@ class MemoryNode(Node):
         self.create_timer(1.0, self._on_timer, callback_group=MutuallyExclusiveCallbackGroup(),
                           clock=Clock(clock_type=ClockType.STEADY_TIME))
         self.camera = CameraSubscription(
-            self, CompressedImage if p["compressed"] else Image, p["image_topic"],
+            self, CompressedImage if p["compressed"] else Image,
+            camera_topic(self, p["compressed"], p["image_topic"]),
             self._on_frame, p["reliable_qos"], FRAME_HISTORY)
+        self.poses = PoseInput(self, p["pose_topic"], p["pose_type"], p["pose_max_gap_s"]) \
+            if p["pose_topic"] else None
+        self.memory_image = MemoryImageTopic(self, p["memory_image_thumbnails"])
+        self.ask_action = AskActionServer(self, self.session, lambda: self.values)
         self.loader = threading.Thread(target=self._load_model, name="deltas_memory_loader",
                                        daemon=True)
         self.loader.start()
@@ -121,7 +131,7 @@ class MemoryNode(Node):
                 self.get_logger().error(f"load_on_start: {error}; starting with an empty memory")
         if self.stopping.is_set():
             return
-        session.attach(memory, self._on_chunk_done)
+        session.attach(memory, self._on_chunk_done, self.poses.at if self.poses else None)
         self.get_logger().info(
             f"ready: {loaded.path} on {loaded.device} ({str(loaded.dtype)[6:]}, gated delta "
             f"kernels: {'fla' if loaded.fla_kernels else 'torch'}), budget "
@@ -168,7 +178,10 @@ class MemoryNode(Node):
         """Worker thread: record the chunk, then publish its drift."""
         self.session.chunk_done(chunk, result)
         msg = drift_message(chunk, result, self.session.frame_id)
+        msg.pose = pose_stamped(result.pose, result.stamp)
         self.drift_pub.publish(msg)  # after Ctrl-C this raises; the worker counts it and goes on
+        held = self.session.memory.slots.retained_chunks()
+        self.memory_image.chunk_done(result, chunk.frames[-1], held, msg.header.frame_id)
 
     # ----------------------------------------------------------------------------- services
     def _ask(self, request: AskMemory.Request, response: AskMemory.Response):
@@ -178,18 +191,13 @@ class MemoryNode(Node):
             try:
                 answer = session.worker.ask(
                     request.question, request.max_new_tokens or self.values["max_new_tokens"],
-                    self.values["ask_timeout_s"])
+                    self.values["ask_timeout_s"], **window(request.since, request.until))
             except (RuntimeError, TimeoutError) as error:
                 response.error = str(error)
             else:
-                response.success, response.answer = True, answer.text
-                response.truncated = answer.truncated
-                response.evidence_times = answer.evidence_times
-                response.evidence_stamps = [to_time_msg(s) for s in answer.evidence_stamps
-                                            if s is not None]
-                response.memory_tokens = answer.memory_tokens
-                response.memory_span_start = answer.span_start
-                response.memory_span_end = answer.span_end
+                response.success = True
+                fill_answer(response, answer)
+        response.message = response.error  # `error` is the deprecated name of `message`
         response.latency_ms = (time.perf_counter() - start) * 1e3
         if not response.success:
             self.get_logger().warning(f"question refused: {response.error}")

@@ -91,6 +91,16 @@ PARAMS: tuple[Param, ...] = (
           "Load memory_file at start-up if it exists, to continue where a previous run stopped"),
     Param("silence_warn_s", 3.0, "No camera frame for this long: diagnostics WARN",
           read_only=False, low=0.1, high=3600.0),
+    Param("pose_topic", "",
+          "Robot pose input tagging each chunk with where it was seen (empty: none)"),
+    Param("pose_type", "odometry", "Message type on pose_topic",
+          choices=("odometry", "pose_stamped", "pose_with_covariance")),
+    Param("pose_max_gap_s", 0.5,
+          "A chunk's pose is unknown when the nearest pose is farther than this from its stamp",
+          low=0.001, high=60.0),
+    Param("memory_image_thumbnails", 24,
+          "Thumbnails on ~/memory_image, a timeline strip of the retained chunks", low=2,
+          high=256),
 )
 BY_NAME = {p.name: p for p in PARAMS}
 

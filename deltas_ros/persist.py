@@ -9,7 +9,7 @@ linear-attention layer, keys and values of every full-attention layer, slot time
 and 3-D positions), and in the header's `__metadata__` (str -> str) one key, "deltas_ros.memory",
 holding JSON:
 
-    format, format_version   "deltas_ros.memory", 1
+    format, format_version   "deltas_ros.memory", 3 (version 2 files, without poses, load too)
     created, created_unix    UTC ISO time and seconds since the epoch
     model                    {"name": model directory name (informative only),
                               "config_sha256": see config_sha256,
@@ -18,7 +18,9 @@ holding JSON:
     dtype                    the model's dtype (the KV cache's)
     config                   the MemoryConfig fields that shape the stored state (CHECKED_CONFIG)
     stream                   next_position, chunks_seen, compactions, kv_tokens, last_stamp,
-                             chunk_stamps {chunk index: header stamp or null}
+                             chunk_stamps {chunk index: header stamp or null},
+                             chunk_poses {chunk index: [frame_id, x, y, z, qx, qy, qz, qw] or
+                             null} (version 3: the robot pose at the chunk's stamp)
     extra                    the caller's JSON-serialisable dict
     sha256                   over the canonical JSON of everything above and every tensor's name,
                              dtype, shape and bytes in name order
@@ -59,11 +61,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .memory import MemoryState, StreamingMemory
+from .poses import Pose
 from .slots import MAX_CHUNKS
 from .state_check import expected_tensors
 
 FORMAT = "deltas_ros.memory"
-FORMAT_VERSION = 2  # 2: slots.arrival (slots may sit out of arrival order)
+FORMAT_VERSION = 3  # 2: slots.arrival (slots may sit out of arrival order); 3: chunk_poses
+READABLE_VERSIONS = (2, 3)  # a version 2 file is a stream without poses
 METADATA_KEY = "deltas_ros.memory"
 MAX_HEADER_BYTES = 16 << 20  # a memory file's header is a few KB of JSON plus the stamps
 # MemoryConfig fields a stored stream depends on; the others (answer length, ...) may change.
@@ -113,6 +117,8 @@ def save_memory(memory: StreamingMemory, path: str | Path, extra: dict | None = 
             "kv_tokens": memory.kv_tokens,
             "last_stamp": stamps.get(state.chunks_seen - 1),
             "chunk_stamps": {str(c): s for c, s in sorted(stamps.items())},
+            "chunk_poses": {str(c): None if p is None else p.to_json()
+                            for c, p in sorted(state.chunk_poses.items())},
         },
         "extra": dict(extra or {}),
     }
@@ -178,6 +184,8 @@ def load_memory(memory: StreamingMemory, path: str | Path, key: bytes | None = N
         compactions=stream["compactions"],
         chunk_stamps={int(c): None if s is None else float(s)
                       for c, s in stream["chunk_stamps"].items()},
+        chunk_poses={int(c): None if p is None else Pose.from_json(p)
+                     for c, p in stream.get("chunk_poses", {}).items()},
     )
     try:
         memory.import_state(state)
@@ -290,9 +298,10 @@ def _parse_metadata(text: Any, path: Path) -> dict:
         raise MemoryFileError(f"{path} is not a deltas_ros memory file ({error!r})") from error
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise MemoryFileError(f"{path} is not a deltas_ros memory file")
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise MemoryFileError(f"{path} has format version {metadata.get('format_version')}; "
-                              f"this deltas_ros reads version {FORMAT_VERSION}")
+    version = metadata.get("format_version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise MemoryFileError(f"{path} has format version {version}; this deltas_ros reads "
+                              f"versions {', '.join(map(str, READABLE_VERSIONS))}")
     malformed = [key for key, kind in _FIELDS.items() if not _is(metadata.get(key), kind)]
     if "hmac" in metadata and not isinstance(metadata["hmac"], str):
         malformed.append("hmac")
@@ -310,6 +319,12 @@ def _parse_metadata(text: Any, path: Path) -> dict:
         else:
             malformed += [f"chunk_stamps[{c!r}]" for c, s in stamps.items()
                           if not (c.isdigit() and int(c) < MAX_CHUNKS and _stamp(s))]
+        poses = stream.get("chunk_poses", {} if version == 2 else None)
+        if not isinstance(poses, dict):
+            malformed.append("stream.chunk_poses")
+        else:
+            malformed += [f"chunk_poses[{c!r}]" for c, p in poses.items()
+                          if not (c.isdigit() and int(c) < MAX_CHUNKS and _pose(p))]
     if malformed:
         raise MemoryFileError(f"{path} has malformed metadata: {', '.join(malformed)}")
     return metadata
@@ -329,6 +344,17 @@ def _counter(value: Any) -> bool:
 def _stamp(value: Any) -> bool:
     """A header stamp: None or a finite number (not a string, not a bool)."""
     return value is None or _is(value, (int, float))
+
+
+def _pose(value: Any) -> bool:
+    """A stored pose: None or what Pose.to_json writes (finite, non-zero quaternion)."""
+    if value is None:
+        return True
+    try:
+        Pose.from_json(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _check_compatible(metadata: dict, memory: StreamingMemory, path: Path) -> None:

@@ -13,15 +13,22 @@ from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.callback_groups import CallbackGroup, MutuallyExclusiveCallbackGroup
-from rclpy.event_handler import SubscriptionEventCallbacks
+
+try:
+    from rclpy.event_handler import SubscriptionEventCallbacks
+except ImportError:  # Humble's rclpy names the module qos_event
+    from rclpy.qos_event import SubscriptionEventCallbacks
 from rclpy.node import Node
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.qos import DurabilityPolicy, QoSPolicyKind, QoSProfile, ReliabilityPolicy
+from rclpy.qos_overriding_options import QoSOverridingOptions
 from std_msgs.msg import Header
 
 from . import params
 from .frames import SampledChunk
 from .memory import ChunkResult
 from .msg import DriftScore
+
+HISTORY_AND_DEPTH = (QoSPolicyKind.HISTORY, QoSPolicyKind.DEPTH)
 
 
 def to_time_msg(seconds: float) -> Time:
@@ -74,6 +81,7 @@ def declare_parameters(node: Node) -> dict[str, Any]:
 
 
 def drift_message(chunk: SampledChunk, result: ChunkResult, frame_id: str) -> DriftScore:
+    """One chunk's DriftScore; its pose (ros_memory.pose_stamped) is set by the caller."""
     msg = DriftScore(chunk_index=chunk.index, stream_time=result.time, drift=result.drift,
                      layer_drift=[float(x) for x in result.layer_drift],
                      chunk_tokens=result.chunk_tokens, kv_tokens=result.kv_tokens,
@@ -92,9 +100,41 @@ def diagnostics_message(stamp: Time, name: str, level: int, message: str, hardwa
     return DiagnosticArray(header=Header(stamp=stamp), status=[status])
 
 
+def camera_topic(node: Node, compressed: bool, image_topic: str) -> str:
+    """The camera topic: the relative name `image` when it is remapped (`-r image:=/cam`; as
+    image_transport names it, `<image>/compressed` when compressed, or `image/compressed`
+    remapped itself), else the image_topic parameter."""
+    def remapped(name: str) -> str | None:
+        resolved = node.resolve_topic_name(name)
+        return resolved if resolved != node.resolve_topic_name(name, only_expand=True) else None
+
+    if compressed and (topic := remapped("image/compressed")):
+        return topic
+    if topic := remapped("image"):
+        return f"{topic}/compressed" if compressed else topic
+    return image_topic
+
+
+def reliability_override(node: Node, topic: str) -> str | None:
+    """The camera subscription's reliability from rclpy's QoS override parameter
+    `qos_overrides.<topic>.subscription.reliability` ("reliable" or "best_effort"); None when
+    not given (follow the publisher). Declared here rather than by QoSOverridingOptions, whose
+    declared default would pin the first choice and stop the subscription following the camera;
+    history and depth go through QoSOverridingOptions. ValueError for another value."""
+    name = f"qos_overrides.{topic}.subscription.reliability"
+    descriptor = ParameterDescriptor(
+        read_only=True, description="reliable or best_effort (empty: follow the camera's "
+        "publisher; reliable_qos:=true is an alias of reliable)")
+    value = node.declare_parameter(name, "", descriptor).value
+    if value not in ("", "reliable", "best_effort"):
+        raise ValueError(f"{name} must be reliable or best_effort, got {value!r}")
+    return value or None
+
+
 class CameraSubscription:
     """The camera subscription (raw: serialized messages), with the camera's reliability unless
-    `forced_reliable`.
+    `forced_reliable` or the reliability override parameter (`reliability_override`) says
+    otherwise.
 
     As image_proc does, it subscribes with the publisher's reliability when one exists (all
     reliable: reliable, else best effort); the diagnostics timer calls `follow`, which also
@@ -108,10 +148,12 @@ class CameraSubscription:
                  forced_reliable: bool, depth: int) -> None:
         self.node, self.msg_type, self.callback, self.depth = node, msg_type, callback, depth
         self.topic = node.resolve_topic_name(topic)
-        self.forced = forced_reliable
+        override = reliability_override(node, self.topic)
+        self.forced = forced_reliable or override is not None
         self.group = MutuallyExclusiveCallbackGroup()
         self.subscription, self.silence_logged = None, False
-        self._subscribe(forced_reliable or self.publisher_reliability() is True)
+        self._subscribe(forced_reliable or override == "reliable" if self.forced
+                        else self.publisher_reliability() is True)
 
     def publisher_reliability(self) -> bool | None:
         """Whether every publisher of the topic is reliable (None: no publisher yet)."""
@@ -130,6 +172,7 @@ class CameraSubscription:
         # deserializes only the frames the sampler keeps.
         self.subscription = self.node.create_subscription(
             self.msg_type, self.topic, self.callback, qos, callback_group=self.group, raw=True,
+            qos_overriding_options=QoSOverridingOptions(HISTORY_AND_DEPTH),
             event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible))
         self.reliable, self.silence_logged = reliable, False
         self.since = time.monotonic()

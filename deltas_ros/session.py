@@ -34,6 +34,7 @@ from .memory import ChunkResult, MemoryStats, StreamingMemory, question_problem
 from .memory_files import MemoryFiles, read_metadata
 from .params import BY_NAME
 from .persist import load_memory, save_memory
+from .poses import Pose
 from .worker import MemoryWorker
 
 ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or operation
@@ -158,10 +159,13 @@ class Session:
 
     # ----------------------------------------------------------------------------- readiness
     def attach(self, memory: StreamingMemory, on_chunk: Callable[[SampledChunk, ChunkResult],
-                                                                 None]) -> MemoryWorker:
-        """The model is loaded: start the worker; from now on the session is READY."""
+                                                                 None],
+               pose_at: Callable[[float], Pose | None] | None = None) -> MemoryWorker:
+        """The model is loaded: start the worker; from now on the session is READY.
+        pose_at: the robot's pose at a stamp, tagging each chunk (worker thread)."""
         self.memory, self.stats = memory, memory.stats()
-        self.worker = MemoryWorker(memory, on_chunk, self.values["queue_chunks"])
+        self.worker = MemoryWorker(memory, on_chunk, self.values["queue_chunks"],
+                                   pose_at=pose_at)
         self.state = State.READY
         return self.worker
 

@@ -9,6 +9,7 @@ One row per slot of every full-attention layer (all layers hold the same slots):
     arrival   (T,)   int64    arrival rank of the slot's token in the stream (unique, increasing
                               as tokens arrive)
     stamps    {chunk: header stamp or None} of the chunks still held
+    poses     {chunk: robot pose at its stamp or None} of the chunks still held (poses.Pose)
 
 Slots need not sit in arrival order: an eviction may fill the holes it leaves with the slots at
 the end of the cache (`fill`), since attention does not care where a key sits (it carries its
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .poses import Pose
+
 PREFIX_CHUNK = -1  # chunk index of the chat prefix's slots
 MAX_CHUNKS = 2**31  # chunk indices and counters fit a signed 32-bit field
 MAX_ARRIVAL = 2**62  # arrival ranks: tokens of a stream, far from int64's end
@@ -42,12 +45,13 @@ class SlotTable:
     stamps: dict[int, float | None] = field(default_factory=dict)
     arrival: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     next_arrival: int = 0
+    poses: dict[int, Pose | None] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.time.numel()
 
     def append(self, time_s: float, chunk: int, scores: torch.Tensor, positions: torch.Tensor,
-               stamp: float | None = None) -> SlotTable:
+               stamp: float | None = None, pose: Pose | None = None) -> SlotTable:
         """The table with one chunk's slots added at the end.
 
         scores: (n,) one per slot; positions: (3, n) or (3, 1, n) as fed to the model.
@@ -56,6 +60,7 @@ class SlotTable:
         n = positions.shape[1]
         stamp = None if stamp is None else float(stamp)
         stamps = self.stamps if chunk == PREFIX_CHUNK else {**self.stamps, chunk: stamp}
+        poses = self.poses if chunk == PREFIX_CHUNK else {**self.poses, chunk: pose}
         return SlotTable(
             torch.cat([self.time, torch.full((n,), time_s, dtype=torch.float64)]),
             torch.cat([self.score, scores.float().cpu()]),
@@ -64,6 +69,7 @@ class SlotTable:
             stamps,
             torch.cat([self.arrival, torch.arange(self.next_arrival, self.next_arrival + n)]),
             self.next_arrival + n,
+            poses,
         )
 
     def select(self, keep: torch.Tensor) -> SlotTable:
@@ -71,7 +77,8 @@ class SlotTable:
         keep = keep.cpu()
         chunk = self.chunk[keep]
         return SlotTable(self.time[keep], self.score[keep], chunk, self.position[:, keep],
-                         self._held_stamps(chunk), self.arrival[keep], self.next_arrival)
+                         self._held_stamps(chunk), self.arrival[keep], self.next_arrival,
+                         self._held_poses(chunk))
 
     def fill(self, holes: torch.Tensor, movers: torch.Tensor, size: int) -> SlotTable:
         """The table after the slots `movers` moved into `holes` and the cache was cut to
@@ -82,7 +89,8 @@ class SlotTable:
 
         chunk = moved(self.chunk)
         return SlotTable(moved(self.time), moved(self.score), chunk, moved(self.position),
-                         self._held_stamps(chunk), moved(self.arrival), self.next_arrival)
+                         self._held_stamps(chunk), moved(self.arrival), self.next_arrival,
+                         self._held_poses(chunk))
 
     def moved(self, positions: torch.Tensor) -> SlotTable:
         """The table with new (3, T) positions (after a compaction)."""
@@ -91,6 +99,10 @@ class SlotTable:
     def _held_stamps(self, chunk: torch.Tensor) -> dict[int, float | None]:
         held = set(chunk.unique().tolist())
         return {c: s for c, s in self.stamps.items() if c in held}
+
+    def _held_poses(self, chunk: torch.Tensor) -> dict[int, Pose | None]:
+        held = set(chunk.unique().tolist())
+        return {c: p for c, p in self.poses.items() if c in held}
 
     def arrival_order(self) -> torch.Tensor:
         """(T,) slot indices in arrival order (the identity while no eviction filled holes)."""
@@ -117,6 +129,9 @@ class SlotTable:
     def stamp(self, chunk: int) -> float | None:
         return self.stamps.get(chunk)
 
+    def pose(self, chunk: int) -> Pose | None:
+        return self.poses.get(chunk)
+
     # ----------------------------------------------------------------------------- persistence
     def export(self) -> dict[str, torch.Tensor]:
         """The tensors a memory file stores, by name (the stamps travel as metadata)."""
@@ -125,12 +140,14 @@ class SlotTable:
 
     @classmethod
     def from_export(cls, tensors: dict[str, torch.Tensor], stamps: dict[int, float | None],
-                    chunks_seen: int, next_position: int) -> SlotTable:
+                    chunks_seen: int, next_position: int,
+                    poses: dict[int, Pose | None] | None = None) -> SlotTable:
         """A table from `export()` tensors, or ValueError saying what is inconsistent."""
         arrival = tensors["slots.arrival"].clone()
         table = cls(tensors["slots.time"].clone(), tensors["slots.score"].clone(),
                     tensors["slots.chunk"].clone(), tensors["slots.position"].clone(),
-                    dict(stamps), arrival, int(arrival.max()) + 1 if arrival.numel() else 0)
+                    dict(stamps), arrival, int(arrival.max()) + 1 if arrival.numel() else 0,
+                    dict(poses or {}))
         table.check(chunks_seen, next_position)
         return table
 
@@ -162,6 +179,9 @@ class SlotTable:
         if any(s is not None and (not isinstance(s, float) or not math.isfinite(s))
                for s in self.stamps.values()):
             raise ValueError("chunk stamps must be finite floats or None")
+        if any(not 0 <= c < chunks_seen for c in self.poses) or any(
+                p is not None and not isinstance(p, Pose) for p in self.poses.values()):
+            raise ValueError("chunk poses must be Pose or None, of chunks seen")
 
 
 def fill_plan(kept: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

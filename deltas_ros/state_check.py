@@ -59,5 +59,7 @@ def check_state(state: MemoryState, ours: dict[str, torch.Tensor], budget: int,
             raise ValueError(f"{name} holds NaN or infinite values")
     if not isinstance(state.chunk_stamps, dict):
         raise ValueError("chunk_stamps must be a dict")
+    if not isinstance(state.chunk_poses, dict):
+        raise ValueError("chunk_poses must be a dict")
     return SlotTable.from_export(state.tensors, state.chunk_stamps, state.chunks_seen,
-                                 state.next_position)
+                                 state.next_position, state.chunk_poses)

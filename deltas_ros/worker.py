@@ -28,6 +28,7 @@ from typing import Any
 
 from .frames import SampledChunk
 from .memory import Answer, ChunkResult, StreamingMemory
+from .poses import Pose
 
 
 @dataclass
@@ -51,6 +52,7 @@ class _Request:
     kind: str  # "ask", "reset" or the name of a call or posted operation ("save", ...)
     question: str = ""
     max_new_tokens: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # StreamingMemory.ask keywords
     function: Callable[[StreamingMemory], Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     answer: Any = None
@@ -68,9 +70,13 @@ class MemoryWorker:
         on_chunk: Callable[[SampledChunk, ChunkResult], None],
         queue_chunks: int = 8,
         poll_s: float = 0.2,
+        pose_at: Callable[[float], Pose | None] | None = None,
     ) -> None:
         self.memory = memory
         self.on_chunk = on_chunk
+        # The robot's pose at a chunk's stamp (ros_memory.PoseInput.at): looked up when the
+        # chunk is processed, so the poses received up to then count.
+        self.pose_at = pose_at or (lambda stamp: None)
         self.counters = WorkerCounters()
         self.busy_s = 0.0  # time spent on chunks, for the real-time factor
         self._chunks: deque[SampledChunk | _Request] = deque()
@@ -99,9 +105,14 @@ class MemoryWorker:
             self._lock.notify()
         return dropped
 
-    def ask(self, question: str, max_new_tokens: int | None, timeout_s: float) -> Answer:
-        """Answer between chunks; raises TimeoutError, or RuntimeError with the engine's error."""
-        request = self._submit(_Request("ask", question, max_new_tokens), self._questions)
+    def ask(self, question: str, max_new_tokens: int | None, timeout_s: float,
+            **options: Any) -> Answer:
+        """Answer between chunks; raises TimeoutError, or RuntimeError with the engine's error.
+
+        options: StreamingMemory.ask's keywords (since, until, on_token, cancelled); on_token
+        and cancelled are called on the worker thread."""
+        request = self._submit(_Request("ask", question, max_new_tokens, options),
+                               self._questions)
         return self._wait(request, timeout_s)
 
     def call(self, function: Callable[[StreamingMemory], Any], timeout_s: float,
@@ -243,7 +254,8 @@ class MemoryWorker:
     def _process_chunk(self, chunk: SampledChunk) -> None:
         start = time.perf_counter()
         try:
-            result = self.memory.add_chunk(chunk.frames, chunk.times, stamp=chunk.stamps[-1])
+            result = self.memory.add_chunk(chunk.frames, chunk.times, stamp=chunk.stamps[-1],
+                                           pose=self.pose_at(chunk.stamps[-1]))
         except Exception as error:  # a failed chunk must not stop the worker
             self.counters.chunks_failed += 1
             self._note_error(f"chunk {chunk.index} failed: {error}")
@@ -260,7 +272,8 @@ class MemoryWorker:
     def _serve(self, request: _Request) -> None:
         try:
             if request.kind == "ask":
-                request.answer = self.memory.ask(request.question, request.max_new_tokens)
+                request.answer = self.memory.ask(request.question, request.max_new_tokens,
+                                                 **request.options)
                 self.counters.questions_answered += 1
             elif request.function is None:  # reset()
                 self.memory.reset()

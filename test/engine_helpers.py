@@ -60,8 +60,8 @@ def assert_same_state(a: MemoryState, b: MemoryState) -> None:
     assert a.tensors.keys() == b.tensors.keys()
     for name in a.tensors:
         assert torch.equal(a.tensors[name], b.tensors[name]), name
-    assert (a.next_position, a.chunks_seen, a.compactions, a.chunk_stamps) == (
-        b.next_position, b.chunks_seen, b.compactions, b.chunk_stamps)
+    assert (a.next_position, a.chunks_seen, a.compactions, a.chunk_stamps, a.chunk_poses) == (
+        b.next_position, b.chunks_seen, b.compactions, b.chunk_stamps, b.chunk_poses)
 
 
 def any_call(*args, **kwargs) -> bool:

@@ -7,8 +7,10 @@ other. The `ros_domain` fixture is in conftest.py.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +28,22 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_srvs.srv import Trigger
 
 REPO = Path(__file__).resolve().parents[1]
-VENV = REPO / ".venv"
+
+
+def package_prefix() -> Path:
+    """Where deltas_ros is installed: the sourced ROS install (`colcon test`) when the ament
+    index knows it, else this interpreter's prefix (scripts/setup.sh installs into .venv)."""
+    if os.environ.get("AMENT_PREFIX_PATH"):
+        from ament_index_python.packages import PackageNotFoundError, get_package_prefix
+
+        try:
+            return Path(get_package_prefix("deltas_ros"))
+        except PackageNotFoundError:
+            pass
+    return Path(sys.prefix)
+
+
+PREFIX = package_prefix()
 BASE_STAMP = 1_700_000_000.0
 SMALL = {"pixel_budget": "4096", "budget_tokens": "120", "window_tokens": "40",
          "max_new_tokens": "4", "silence_warn_s": "2.0"}
@@ -34,7 +51,7 @@ SMALL = {"pixel_budget": "4096", "budget_tokens": "120", "window_tokens": "40",
 
 def node_command(model_dir: Path, topic: str, **overrides: str) -> list[str]:
     """The command line launch/deltas.launch.py produces, plus test-size overrides."""
-    args = [str(VENV / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
+    args = [str(PREFIX / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
             "-r", "__node:=deltas_memory",
             "--params-file", str(REPO / "config" / "deltas.yaml"),
             "-p", f"model_path:={model_dir}", "-p", f"image_topic:={topic}",
@@ -175,7 +192,7 @@ def status_values(status: DiagnosticStatus) -> dict[str, str]:
 
 
 def stamp_msg(stamp: float):
-    from deltas_ros.node import to_time_msg
+    from deltas_ros.ros_adapters import to_time_msg
 
     return to_time_msg(stamp)
 

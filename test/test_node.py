@@ -6,8 +6,10 @@ executable with config/deltas.yaml and the launch file's overrides.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +22,6 @@ from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
 from ros_helpers import (
     BASE_STAMP,
-    VENV,
     Tester,
     indices,
     raw_frame,
@@ -213,7 +214,7 @@ def test_ask_command_line_prints_the_answer(raw_node, ros_domain):
     # (late on a busy machine): the answer must see both chunks.
     tester.wait_for(lambda: len(tester.drift) >= 2, timeout=120)
     result = subprocess.run(
-        [str(VENV / "bin" / "python"), "-m", "deltas_ros.cli", "ask", "What did you see?",
+        [sys.executable, "-m", "deltas_ros.cli", "ask", "What did you see?",
          "--wait-idle", "--max-new-tokens", "3", "--timeout", "60"],
         env=ros_domain, capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stderr
@@ -375,8 +376,16 @@ def test_save_after_reset_and_load_while_streaming_keep_the_stream(raw_node, ros
     assert int(fresh_status(tester)["time_jumps_back"]) == jumps
 
 
-def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, ros_domain):
-    process = start(tiny_model_dir, ros_domain, topic="/camera/image_raw/compressed",
+@pytest.fixture
+def own_domain(ros_domain, monkeypatch) -> dict[str, str]:
+    """ros_domain under another domain id, for a test that starts its own node: raw_node's node
+    lives until the module ends and must not answer this test's calls under the same names."""
+    monkeypatch.setenv("ROS_DOMAIN_ID", str(201 + int(ros_domain["ROS_DOMAIN_ID"]) % 30))
+    return dict(os.environ)
+
+
+def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, own_domain):
+    process = start(tiny_model_dir, own_domain, topic="/camera/image_raw/compressed",
                     compressed="true", reliable_qos="true", use_sim_time="true")
     tester = Tester(topic="/camera/image_raw/compressed", compressed=True)
 
@@ -403,29 +412,29 @@ def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, ros_domain):
     assert code == 0 and "Traceback" not in err
 
 
-def test_missing_model_refuses_to_start(tmp_path, ros_domain):
-    process = start(tmp_path / "nothing-here", ros_domain)
+def test_missing_model_refuses_to_start(tmp_path, own_domain):
+    process = start(tmp_path / "nothing-here", own_domain)
     process.wait(timeout=180)
     assert process.returncode == 1
     assert "no model at" in process.stderr.read()
 
 
-def test_corrupt_model_stops_the_node_with_the_reason(tmp_path, ros_domain):
+def test_corrupt_model_stops_the_node_with_the_reason(tmp_path, own_domain):
     (tmp_path / "config.json").write_text("{ this is not json")
-    process = start(tmp_path, ros_domain)
+    process = start(tmp_path, own_domain)
     process.wait(timeout=180)
     assert process.returncode == 1
     assert "cannot load the model" in process.stderr.read()
 
 
-def test_saved_memory_continues_bit_identically_after_a_restart(tiny_model_dir, ros_domain,
+def test_saved_memory_continues_bit_identically_after_a_restart(tiny_model_dir, own_domain,
                                                                  tmp_path):
     """Save after 3 s, restart with load_on_start, feed seconds 3-6: the same drift as a node
     that never stopped, and the chunk indices go on."""
     memory_file = tmp_path / "memory.safetensors"
     runs = []
     for load in (False, True):
-        process = start(tiny_model_dir, ros_domain, reliable_qos="true",
+        process = start(tiny_model_dir, own_domain, reliable_qos="true",
                         memory_dir=str(tmp_path), load_on_start=str(load).lower())
         tester = Tester()
         try:

@@ -12,6 +12,16 @@ REPO = Path(__file__).resolve().parents[1]
 MANIFEST = ET.parse(REPO / "package.xml").getroot()
 
 
+# setup.py's requirements by their rosdep keys, as rosdistro's rosdep/python.yaml names them
+# (a `-pip` key where Debian/Ubuntu ship no package); None: no key exists, and package.xml says
+# which package brings it (tokenizers and safetensors come with the transformers pip package).
+ROSDEP = {"numpy": "python3-numpy", "opencv-python-headless": "python3-opencv",
+          "torch": "python3-torch", "torchvision": "python3-torchvision",
+          "transformers": "python3-transformers-pip", "safetensors": None, "tokenizers": None,
+          "rosbags": "python3-rosbags-pip", "matplotlib": "python3-matplotlib",
+          "tqdm": "python3-tqdm"}
+
+
 def manifest(tag: str) -> set[str]:
     return {e.text for e in MANIFEST.findall(tag)}
 
@@ -29,26 +39,39 @@ def test_cmake_setup_and_manifest_agree_on_name_version_and_dependencies():
     assert re.search(r"project\((\w+)\)", cmake).group(1) == name
     assert f'name="{name}"' in setup and "package.xml" in setup  # version read from it
     found = set(re.findall(r"find_package\((\w+) REQUIRED", cmake)) - {"Python3"}
-    declared = manifest("buildtool_depend") | manifest("depend") | manifest("build_depend")
+    declared = (manifest("buildtool_depend") | manifest("depend") | manifest("build_depend")
+                | manifest("test_depend"))
     assert found <= declared, f"find_package without a manifest entry: {found - declared}"
     interface_deps = set(re.search(r"DEPENDENCIES ([\w ]+)", cmake).group(1).split())
     assert interface_deps <= manifest("depend")
     # Python dependencies of setup.py are exec dependencies of the ROS package too.
-    rosdep = {"numpy": "python3-numpy", "opencv-python-headless": "python3-opencv",
-              "torch": "python3-torch", "torchvision": "python3-torchvision",
-              "transformers": "python3-transformers", "safetensors": "python3-safetensors",
-              "rosbags": "python3-rosbags", "matplotlib": "python3-matplotlib",
-              "tqdm": "python3-tqdm"}
     requires = re.findall(r'"([a-z][\w-]+)(?:[<>=][^"]*)?",', setup.split("install_requires")[1]
                           .split("]")[0])
-    missing = {rosdep[r] for r in requires} - manifest("exec_depend")
+    missing = {ROSDEP[r] for r in requires if ROSDEP[r]} - manifest("exec_depend")
     assert not missing, f"setup.py requires what package.xml does not list: {missing}"
     assert deltas_ros.__version__ == version  # the one place Python code states it
 
 
+def test_every_import_is_declared():
+    """Third-party modules the package imports are in setup.py, requirements.txt and, by rosdep
+    key or by a comment saying why there is none, in package.xml."""
+    setup, pins = (REPO / "setup.py").read_text(), (REPO / "requirements.txt").read_text()
+    xml = (REPO / "package.xml").read_text()
+    for dist in ("tokenizers", "safetensors", "flash-linear-attention"):
+        assert f'"{dist}"' in setup and f"\n{dist}==" in pins, dist
+        assert ROSDEP.get(dist) in manifest("exec_depend") or dist in xml, dist
+    ros = {"rclpy", "rcl_interfaces", "ament_index_python", "sensor_msgs", "nav_msgs",
+           "geometry_msgs", "std_srvs", "std_msgs", "diagnostic_msgs", "lifecycle_msgs",
+           "rosgraph_msgs", "builtin_interfaces", "action_msgs", "launch", "launch_ros"}
+    assert ros <= manifest("exec_depend") | manifest("depend")
+    for name in ros - {"launch", "launch_ros", "ament_index_python", "rcl_interfaces", "rclpy"}:
+        assert f"ros-{name.replace('_', '-')}==" in pins, name
+
+
 def test_every_interface_file_is_generated():
     cmake = (REPO / "CMakeLists.txt").read_text()
-    for path in list((REPO / "msg").glob("*.msg")) + list((REPO / "srv").glob("*.srv")):
+    for path in [*(REPO / "msg").glob("*.msg"), *(REPO / "srv").glob("*.srv"),
+                 *(REPO / "action").glob("*.action")]:
         assert f'"{path.parent.name}/{path.name}"' in cmake
 
 
@@ -72,6 +95,30 @@ def test_interfaces_round_trip_through_rclpy_serialization():
         evidence_stamps=[Time(sec=1, nanosec=2), Time(sec=3, nanosec=4)], memory_tokens=8192,
         memory_span_start=0.25, memory_span_end=3600.0, latency_ms=120.0)
     assert deserialize_message(serialize_message(response), AskMemory.Response) == response
+
+
+def test_action_and_new_fields_round_trip():
+    from builtin_interfaces.msg import Time
+    from deltas_ros.action import AskMemory as Ask
+    from deltas_ros.msg import DriftScore
+    from deltas_ros.srv import AskMemory
+    from geometry_msgs.msg import PoseStamped
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    pose = PoseStamped()
+    pose.header.frame_id, pose.header.stamp = "map", Time(sec=5)
+    pose.pose.position.x, pose.pose.orientation.z, pose.pose.orientation.w = 1.5, 0.6, 0.8
+    messages = [
+        Ask.Goal(question="where?", max_new_tokens=4, since=10.0, until=20.5),
+        Ask.Feedback(answer="on the", tokens=2),
+        Ask.Result(success=True, message="", answer="on the table", evidence_times=[12.0],
+                   evidence_stamps=[Time(sec=5)], evidence_poses=[pose], generated_tokens=3),
+        AskMemory.Request(question="where?", since=1.0, until=2.0),
+        AskMemory.Response(success=False, message="no", error="no", evidence_poses=[pose]),
+        DriftScore(chunk_index=1, pose=pose),
+    ]
+    for message in messages:
+        assert deserialize_message(serialize_message(message), type(message)) == message
 
 
 def test_a_question_with_bytes_that_are_not_utf8_arrives_with_replacement_characters():
@@ -99,7 +146,8 @@ def test_generated_types_are_the_built_ones():
 
 
 def test_executables_are_installed_where_ros2_run_looks():
-    venv = Path(sys.prefix)
+    from ros_helpers import PREFIX as venv
+
     for exe in ("memory_node", "deltas-ros"):
         path = venv / "lib" / "deltas_ros" / exe
         assert path.exists() and path.stat().st_mode & 0o111, path

@@ -6,7 +6,7 @@ import shutil
 import stat
 
 import pytest
-from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
+from engine_helpers import TINY_FRAMES, assert_same_state, feed, frames_for, frozen
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -21,6 +21,7 @@ from deltas_ros.persist import (
     save_memory,
     weights_sha256,
 )
+from deltas_ros.poses import Pose
 
 PERSIST_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, compact_margin=64,
                       **TINY_FRAMES)
@@ -125,7 +126,7 @@ def not_a_memory_file(source, target):
     (truncated, {}, "truncated"),
     (flipped_byte, {}, "checksum"),
     (moved_position, {}, "checksum"),
-    (other_version, {}, "format version 1; this deltas_ros reads version 2"),
+    (other_version, {}, "format version 1; this deltas_ros reads versions 2, 3"),
     (missing_tensor, {}, "missing \\['slots.score'\\]"),
     (not_a_memory_file, {}, "not a deltas_ros memory file"),
     (None, {"budget_tokens": 200}, "budget_tokens 160 \\(this memory: 200\\)"),
@@ -213,6 +214,14 @@ def nan_stamp(m, t):
     m["stream"]["last_stamp"] = float("nan")  # json writes NaN, json.loads reads it back
 
 
+def bad_pose(m, t):
+    m["stream"]["chunk_poses"]["1"] = ["map", 0, 0, 0, 0, 0, 0, 0]  # zero quaternion
+
+
+def no_poses(m, t):
+    del m["stream"]["chunk_poses"]  # required from version 3
+
+
 def bool_counter(m, t):
     m["stream"]["compactions"] = True
 
@@ -238,9 +247,11 @@ def huge_declared_tensor(source, target):
     (resigned(bool_counter), "malformed metadata: stream.compactions"),
     (resigned(nan_stamp), "malformed metadata: stream.last_stamp"),
     (resigned(nan_states), "layers.0.recurrent_state holds NaN"),
+    (resigned(bad_pose), "malformed metadata: chunk_poses\\['1'\\]"),
+    (resigned(no_poses), "malformed metadata: stream.chunk_poses"),
     (huge_declared_tensor, "layers.3.keys is declared as F32 \\[1, 2, 10000000, 32\\]"),
 ], ids=["missing-key", "string-stamps", "chunks-seen-2^40", "bool-counter", "nan-stamp",
-        "nan-states", "huge-declared-tensor"])
+        "nan-states", "bad-pose", "no-poses", "huge-declared-tensor"])
 def test_doctored_files_are_refused_and_change_nothing(tiny_model, saved, tmp_path, make_bad,
                                                        match, monkeypatch):
     memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
@@ -296,3 +307,24 @@ def test_same_config_other_weights_is_another_model(tiny_model, tmp_path):
     path = save_memory(other, tmp_path / "memory.safetensors")
     with pytest.raises(MemoryFileError, match="another model"):
         load_memory(StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG)), path)
+
+
+def test_chunk_poses_are_saved_and_a_version_2_file_still_loads(tiny_model, tmp_path):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
+    for c in range(6):  # chunk 2 has no pose; the budget evicts some
+        pose = None if c == 2 else Pose.checked("map", (c, -c, 0.5), (0, 0, c, 1))
+        memory.add_chunk(frames_for(c), [c, c + 0.5], stamp=1000.0 + c, pose=pose)
+    path = save_memory(memory, tmp_path / "memory.safetensors")
+    restored = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
+    load_memory(restored, path)
+    assert restored.slots.poses == memory.slots.poses and None in memory.slots.poses.values()
+    assert_same_state(frozen(restored), frozen(memory))
+
+    def version_2(m, t):
+        m["format_version"] = 2
+        del m["stream"]["chunk_poses"]
+
+    old = rewrite(path, tmp_path / "v2.safetensors", version_2, keep_checksum=False)
+    assert load_memory(restored, old)["format_version"] == 2
+    assert restored.slots.poses == {}
+    assert restored.slots.stamps == memory.slots.stamps

@@ -20,8 +20,10 @@ class FakeMemory:
     fail_on: set = field(default_factory=set)
     gate: threading.Event = field(default_factory=threading.Event)
     busy: threading.Event = field(default_factory=threading.Event)  # inside a chunk
+    poses: list = field(default_factory=list)  # (stamp, pose) of each chunk
 
-    def add_chunk(self, frames, times, stamp=None):
+    def add_chunk(self, frames, times, stamp=None, pose=None):
+        self.poses.append((stamp, pose))
         self.busy.set()
         self.gate.wait(30)  # tests open it; the limit only keeps a broken test from hanging
         time.sleep(self.chunk_s)
@@ -31,10 +33,10 @@ class FakeMemory:
         self.log.append(("chunk", index))
         return index
 
-    def ask(self, question, max_new_tokens=None):
+    def ask(self, question, max_new_tokens=None, **options):
         if not question:
             raise ValueError("the question is empty")
-        self.log.append(("ask", question))
+        self.log.append(("ask", question, options) if options else ("ask", question))
         return f"answer to {question}"
 
     def reset(self):
@@ -310,3 +312,16 @@ def test_stop_releases_the_caller_of_the_request_in_progress():
     caller.join(5)
     assert not caller.is_alive() and "shutting down" in str(errors[0].value)
     release.set()
+
+
+def test_chunks_get_the_pose_at_their_stamp_and_questions_their_options():
+    memory = FakeMemory()
+    memory.gate.set()
+    worker = MemoryWorker(memory, lambda c, r: None, poll_s=0.01,
+                          pose_at=lambda stamp: f"pose at {stamp}")
+    worker.submit_chunk(chunk(3))
+    wait_until(lambda: memory.poses)
+    assert worker.ask("where?", 4, 10.0, since=1.0, until=None) == "answer to where?"
+    worker.stop()
+    assert memory.poses == [(3.5, "pose at 3.5")]
+    assert ("ask", "where?", {"since": 1.0, "until": None}) in memory.log

@@ -1,0 +1,92 @@
+"""The ~/ask action: a question answered between chunks, its answer streamed as feedback token by
+token, cancellable within one token. The memory is bit-identical afterwards in every outcome
+(StreamingMemory.ask rolls back).
+
+Goals are rejected while the memory is not serving (the model loading or failed) and when
+`ACTION_SLOTS` goals are already accepted (the action's question queue is full): a planner gets
+an immediate no instead of a goal that waits behind others for minutes. The server's callbacks
+are reentrant so that a cancel request is taken while its goal decodes; the executor threads
+they may hold are counted in node.EXECUTOR_THREADS.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.node import Node
+
+from .action import AskMemory
+from .ros_memory import fill_answer
+from .session import Session
+
+ACTION_SLOTS = 2  # goals accepted at once (each holds an executor thread while it runs)
+
+
+def window(since: float, until: float) -> dict[str, float | None]:
+    """StreamingMemory.ask's window keywords from the interfaces' fields (0 = open side)."""
+    return {"since": since or None, "until": until or None}
+
+
+class AskActionServer:
+    """The action server of `node`, asking through `session`'s worker."""
+
+    def __init__(self, node: Node, session: Session, values: Callable[[], dict[str, Any]]) -> None:
+        self.node, self.session, self.values = node, session, values
+        self.lock, self.accepted = threading.Lock(), 0
+        self.server = ActionServer(node, AskMemory, "~/ask", execute_callback=self._execute,
+                                   goal_callback=self._on_goal,
+                                   cancel_callback=lambda _goal: CancelResponse.ACCEPT,
+                                   callback_group=ReentrantCallbackGroup())
+
+    def _on_goal(self, _goal) -> GoalResponse:
+        with self.lock:
+            if not self.session.ready or self.accepted >= ACTION_SLOTS:
+                return GoalResponse.REJECT
+            self.accepted += 1
+        return GoalResponse.ACCEPT
+
+    def _execute(self, goal_handle) -> AskMemory.Result:
+        try:
+            return self._answer(goal_handle)
+        finally:
+            with self.lock:
+                self.accepted -= 1
+
+    def _answer(self, goal_handle) -> AskMemory.Result:
+        start, goal, session = time.perf_counter(), goal_handle.request, self.session
+        result = AskMemory.Result()
+        result.message = session.question_refusal(goal.question, goal.max_new_tokens)
+        answer = None
+        if not result.message:
+            values = self.values()
+
+            def on_token(text: str, tokens: int) -> None:
+                goal_handle.publish_feedback(AskMemory.Feedback(answer=text, tokens=tokens))
+
+            try:
+                answer = session.worker.ask(
+                    goal.question, goal.max_new_tokens or values["max_new_tokens"],
+                    values["ask_timeout_s"], on_token=on_token,
+                    cancelled=lambda: goal_handle.is_cancel_requested,
+                    **window(goal.since, goal.until))
+            except (RuntimeError, TimeoutError) as error:
+                result.message = str(error)
+        if answer is not None:
+            fill_answer(result, answer)
+            result.generated_tokens = answer.generated_tokens
+            result.success = not answer.cancelled
+        result.latency_ms = (time.perf_counter() - start) * 1e3
+        if answer is not None and answer.cancelled:
+            result.message = "cancelled"
+            goal_handle.canceled()
+        elif result.success:
+            goal_handle.succeed()
+        else:
+            self.node.get_logger().warning(f"ask goal failed: {result.message}")
+            goal_handle.abort()
+        return result

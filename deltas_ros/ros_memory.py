@@ -1,0 +1,119 @@
+"""ROS sides of where and what the memory holds: the pose input, the ~/memory_image topic, and
+an answer's fields as AskMemory's response and the ask action's result share them."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+from builtin_interfaces.msg import Time
+from geometry_msgs.msg import PoseStamped, PoseWithCovarianceStamped
+from nav_msgs.msg import Odometry
+from rclpy.node import Node
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import Image
+
+from .frames import message_stamp
+from .memory import Answer, ChunkResult
+from .memory_image import MemoryImage
+from .poses import Pose, PoseBuffer
+from .ros_adapters import to_time_msg
+
+POSE_TYPES = {"odometry": Odometry, "pose_stamped": PoseStamped,
+              "pose_with_covariance": PoseWithCovarianceStamped}
+POSE_HISTORY = 2000  # poses kept: 20 s of 100 Hz odometry
+POSE_QUEUE = 50
+
+
+def pose_of(msg: Odometry | PoseStamped | PoseWithCovarianceStamped) -> tuple[float, Pose]:
+    """(header stamp in seconds, pose) of a pose message; ValueError for a bad one."""
+    pose = msg.pose.pose if isinstance(msg, (Odometry, PoseWithCovarianceStamped)) else msg.pose
+    p, q = pose.position, pose.orientation
+    return message_stamp(msg), Pose.checked(msg.header.frame_id, (p.x, p.y, p.z),
+                                            (q.x, q.y, q.z, q.w))
+
+
+def pose_stamped(pose: Pose | None, stamp: float | None) -> PoseStamped:
+    """A PoseStamped for a chunk: empty frame_id and the default pose where unknown; a zero
+    stamp where the stamp is unknown."""
+    msg = PoseStamped()
+    if stamp is not None and math.isfinite(stamp):
+        msg.header.stamp = to_time_msg(stamp)
+    if pose is not None:
+        msg.header.frame_id = pose.frame_id
+        p, q = msg.pose.position, msg.pose.orientation
+        p.x, p.y, p.z = pose.position
+        q.x, q.y, q.z, q.w = pose.orientation
+    return msg
+
+
+def fill_answer(target: Any, answer: Answer) -> None:
+    """AskMemory.Response / AskMemory action Result fields from an answer. The three evidence
+    arrays have one entry per evidence chunk (zero stamps, empty poses where unknown)."""
+    target.answer, target.truncated = answer.text, answer.truncated
+    target.evidence_times = [float(t) for t in answer.evidence_times]
+    target.evidence_stamps = [Time() if s is None else to_time_msg(s)
+                              for s in answer.evidence_stamps]
+    poses = answer.evidence_poses or [None] * len(answer.evidence_times)
+    target.evidence_poses = [pose_stamped(p, s) for p, s in zip(poses, answer.evidence_stamps)]
+    target.memory_tokens = answer.memory_tokens
+    target.memory_span_start, target.memory_span_end = answer.span_start, answer.span_end
+
+
+class PoseInput:
+    """pose_topic into a bounded PoseBuffer; `at` is called from the worker thread."""
+
+    def __init__(self, node: Node, topic: str, kind: str, max_gap_s: float) -> None:
+        self.node, self.lock = node, threading.Lock()
+        self.buffer = PoseBuffer(POSE_HISTORY, max_gap_s)
+        self.bad = 0
+        node.create_subscription(POSE_TYPES[kind], topic, self._on_pose, POSE_QUEUE)
+        node.get_logger().info(f"poses from {node.resolve_topic_name(topic)} "
+                               f"({POSE_TYPES[kind].__name__})")
+
+    def _on_pose(self, msg) -> None:
+        try:
+            stamp, pose = pose_of(msg)
+            with self.lock:
+                self.buffer.add(stamp, pose)
+        except ValueError as error:  # counted and logged; the buffer is unchanged
+            self.bad += 1
+            self.node.get_logger().warning(f"dropped a pose: {error}", throttle_duration_sec=5.0)
+
+    def at(self, stamp: float) -> Pose | None:
+        with self.lock:
+            return self.buffer.at(stamp)
+
+
+class MemoryImageTopic:
+    """~/memory_image (transient local): the strip of retained chunks, refreshed after each
+    eviction (and on the first chunk of a stream). Called on the worker thread."""
+
+    def __init__(self, node: Node, thumbnails: int) -> None:
+        qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.publisher = node.create_publisher(Image, "~/memory_image", qos)
+        self.strip, self.last_index = MemoryImage(thumbnails), -1
+
+    def chunk_done(self, result: ChunkResult, frame: np.ndarray, held: list[int],
+                   frame_id: str) -> None:
+        if result.index != self.last_index + 1:  # a reset or a load: another memory's chunks
+            self.strip = MemoryImage(self.strip.max_thumbnails)
+        first = not self.strip.thumbnails
+        self.strip.add(result.index, result.time, result.drift, frame)
+        self.last_index = result.index
+        if result.evicted_tokens or first:
+            self.strip.retain(held)
+            self.publisher.publish(image_message(self.strip.render(), result.stamp, frame_id))
+
+
+def image_message(rgb: np.ndarray, stamp: float | None, frame_id: str) -> Image:
+    """An rgb8 sensor_msgs/Image of an (H, W, 3) uint8 array."""
+    msg = Image(height=rgb.shape[0], width=rgb.shape[1], encoding="rgb8", is_bigendian=0,
+                step=rgb.shape[1] * 3, data=np.ascontiguousarray(rgb).tobytes())
+    if stamp is not None and math.isfinite(stamp):
+        msg.header.stamp = to_time_msg(stamp)
+    msg.header.frame_id = frame_id
+    return msg

@@ -1,0 +1,215 @@
+"""The node's ROS-native memory over DDS, from another process: the ask action (feedback as
+tokens decode, cancel, memory bit-identical), a time-windowed question, chunk poses from a
+synthetic pose stream on DriftScore and as evidence, and the ~/memory_image topic."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from action_msgs.msg import GoalStatus
+from deltas_ros.action import AskMemory as AskAction
+from deltas_ros.srv import AskMemory, MemoryFile
+from geometry_msgs.msg import PoseStamped
+from rclpy.action import ActionClient
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from ros_helpers import (
+    BASE_STAMP,
+    SMALL,
+    Tester,
+    node_command,
+    stamp_msg,
+    status_values,
+    stop,
+)
+from safetensors.torch import load_file
+from sensor_msgs.msg import Image
+
+from deltas_ros.memory_image import GAP, LABEL_H, THUMB_H, THUMB_W
+from deltas_ros.poses import Pose
+
+REPO = Path(__file__).resolve().parents[1]
+POSE_LEAD = 3.5 / 30  # poses are published this far ahead of the frames (and between them)
+
+
+def expected_pose(stamp: float) -> Pose:
+    """The synthetic robot: 0.5 m/s along x, 0.2 m/s along y, turning at 0.1 rad/s."""
+    t = stamp - BASE_STAMP
+    return Pose("map", (0.5 * t, 0.2 * t, 0.0), (0.0, 0.0, math.sin(0.05 * t),
+                                                 math.cos(0.05 * t)))
+
+
+def seconds(stamp) -> float:
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+def assert_pose(msg: PoseStamped, stamp: float) -> None:
+    want = expected_pose(stamp)
+    p, q = msg.pose.position, msg.pose.orientation
+    assert msg.header.frame_id == "map"
+    assert (p.x, p.y, p.z) == pytest.approx(want.position, abs=1e-6)
+    assert (q.x, q.y, q.z, q.w) == pytest.approx(want.orientation, abs=1e-6)
+
+
+class MemoryTester(Tester):
+    """Tester with a pose publisher, an ask action client and a memory image listener."""
+
+    __test__ = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pose_pub = self.node.create_publisher(PoseStamped, "/robot_pose", 100)
+        self.action = ActionClient(self.node, AskAction, "/deltas_memory/ask")
+        self.images: list[Image] = []
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.node.create_subscription(Image, "/deltas_memory/memory_image", self._on_image,
+                                      latched)
+
+    def _on_image(self, msg: Image) -> None:
+        with self.lock:
+            self.images.append(msg)
+
+    def publish_pose(self, stamp: float) -> None:
+        pose = expected_pose(stamp)
+        msg = PoseStamped()
+        msg.header.stamp, msg.header.frame_id = stamp_msg(stamp), pose.frame_id
+        p, q = msg.pose.position, msg.pose.orientation
+        p.x, p.y, p.z = pose.position
+        q.x, q.y, q.z, q.w = pose.orientation
+        self.pose_pub.publish(msg)
+
+    def stream_with_poses(self, seconds_: float, speed: float = 2.0) -> None:
+        """Frames at 30 fps; a pose half a frame off each frame, published ahead of it."""
+        self.stream(seconds_, speed=speed,
+                    on_frame=lambda i: self.publish_pose(BASE_STAMP + i / 30 + POSE_LEAD))
+
+    def goal(self, question: str, max_new_tokens: int, cancel_after: int | None = None,
+             timeout: float = 120.0):
+        """(status, result, feedback list) of one goal; cancelled after `cancel_after`
+        feedback messages when given."""
+        assert self.action.wait_for_server(timeout_sec=30)
+        feedback: list = []
+        sent = self.action.send_goal_async(
+            AskAction.Goal(question=question, max_new_tokens=max_new_tokens),
+            feedback_callback=lambda msg: feedback.append(msg.feedback))
+        handle = self.wait_future(sent, timeout)
+        assert handle.accepted
+        result = handle.get_result_async()
+        if cancel_after is not None:
+            deadline = time.monotonic() + timeout
+            while len(feedback) < cancel_after and not result.done():
+                assert time.monotonic() < deadline, "no feedback in time"
+                time.sleep(0.01)
+            self.wait_future(handle.cancel_goal_async(), timeout)
+        response = self.wait_future(result, timeout)
+        return response.status, response.result, feedback
+
+    @staticmethod
+    def wait_future(future, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.01)
+        return future.result()
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model_dir, ros_domain):
+    # The camera reaches the node only through the remapped relative name `image`.
+    command = node_command(tiny_model_dir, "/not/the/camera", **(SMALL | dict(
+        reliable_qos="true", pose_topic="/robot_pose", pose_type="pose_stamped")))
+    process = subprocess.Popen(command + ["-r", "image:=/camera/image_raw"], env=ros_domain,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tester = MemoryTester()
+    try:
+        tester.wait_ready(process)
+        tester.stream_with_poses(14.0)
+        tester.wait_for(lambda: any(m.evicted_tokens for m in tester.drift), timeout=240)
+        tester.wait_for_status(lambda s: status_values(s)["queue_depth"] == "0"
+                               and not status_values(s)["serving"], timeout=240)
+        yield tester, process
+    finally:
+        tester.close()
+        code, err = stop(process)
+        print(f"memory_node exited {code}; stderr:\n{err[-5000:]}")
+
+
+def test_chunks_carry_the_pose_at_their_stamp(node):
+    tester, _ = node
+    with tester.lock:
+        drift = list(tester.drift)
+    assert len(drift) >= 5
+    for msg in drift:
+        assert_pose(msg.pose, seconds(msg.header.stamp))
+        assert msg.pose.header.stamp == msg.header.stamp
+
+
+def test_windowed_question_has_evidence_and_poses_from_its_window(node):
+    tester, _ = node
+    with tester.lock:
+        times = sorted(m.stream_time for m in tester.drift)
+    since, until = times[-4] - 0.01, times[-2] + 0.01  # three recent chunks, always retained
+    request = AskMemory.Request(question="Where was the red cup?", max_new_tokens=2,
+                                since=since, until=until)
+    response = tester.call(tester.ask_client, request, timeout=120)
+    assert response.success, response.message
+    assert response.message == response.error == ""
+    assert response.evidence_times and all(since <= t <= until for t in response.evidence_times)
+    assert len(response.evidence_stamps) == len(response.evidence_poses) == \
+        len(response.evidence_times)
+    for stamp, pose in zip(response.evidence_stamps, response.evidence_poses):
+        assert pose.header.stamp == stamp
+        assert_pose(pose, seconds(stamp))
+    empty = tester.call(tester.ask_client, AskMemory.Request(question="Where?", since=1e6),
+                        timeout=120)
+    assert not empty.success and "no retained chunk" in empty.message
+    assert empty.message == empty.error
+
+
+def saved_tensors(tester: MemoryTester, name: str) -> dict[str, torch.Tensor]:
+    client = tester.node.create_client(MemoryFile, "/deltas_memory/save_memory")
+    reply = tester.call(client, MemoryFile.Request(path=name), timeout=120)
+    assert reply.success, reply.message
+    return load_file(reply.path)
+
+
+def test_action_streams_feedback_honours_cancel_and_leaves_the_memory(node):
+    tester, _ = node
+    before = saved_tensors(tester, "before_action.safetensors")
+    status, result, feedback = tester.goal("What did you see?", max_new_tokens=6)
+    assert status == GoalStatus.STATUS_SUCCEEDED and result.success, result.message
+    assert [f.tokens for f in feedback] == list(range(1, result.generated_tokens + 1))
+    assert feedback and feedback[-1].answer == result.answer
+    assert len(result.evidence_poses) == len(result.evidence_times) > 0
+
+    status, cancelled, feedback = tester.goal("What did you see?", max_new_tokens=400,
+                                              cancel_after=2)
+    assert status == GoalStatus.STATUS_CANCELED and not cancelled.success
+    assert 2 <= cancelled.generated_tokens < 400  # stopped within a token of the cancel
+    after = saved_tensors(tester, "after_action.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_memory_image_shows_the_retained_chunks(node):
+    tester, _ = node
+    tester.wait_for(lambda: tester.images, timeout=60)
+    with tester.lock:
+        image, chunks = tester.images[-1], len(tester.drift)
+    assert image.encoding == "rgb8" and image.height == THUMB_H + LABEL_H
+    pixels = np.frombuffer(bytes(image.data), np.uint8).reshape(image.height, image.width, 3)
+    tiles = (image.width - GAP) // (THUMB_W + GAP)
+    assert 2 <= tiles < chunks  # evicted chunks are gone from the strip
+    assert pixels[:THUMB_H].std() > 10  # thumbnails of the textured scenes, not blank
+    target = Path(os.environ.get("DELTAS_MEMORY_IMAGE_PNG", "")) if os.environ.get(
+        "DELTAS_MEMORY_IMAGE_PNG") else None
+    if target:  # README's screenshot: `DELTAS_MEMORY_IMAGE_PNG=docs/memory_image.png pytest ...`
+        cv2.imwrite(str(target), cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR))
