@@ -13,6 +13,8 @@
     deltas-ros plot RESULTS [RESULTS ...] [--out plot.png]
     deltas-ros ask "question" [--node /deltas_memory] [--max-new-tokens N] [--timeout 120]
                    [--wait-idle]
+    deltas-ros train [--config config/train_tiny.yaml] [--out out/train] [--resume]
+                     [--device cpu|cuda] [--seed N] [--max-minutes M] [--max-steps N]
 """
 
 from __future__ import annotations
@@ -120,6 +122,17 @@ def ask_command(args: argparse.Namespace) -> int:
     return 0 if response.success else 1
 
 
+def train_command(args: argparse.Namespace) -> int:
+    """Train the tiny scene model (a Qwen3.5) on generated streams; see deltas_ros/train.py."""
+    from .train import TrainConfig, Trainer
+
+    cfg = TrainConfig.from_file(args.config, seed=args.seed, max_minutes=args.max_minutes,
+                                max_steps=args.max_steps, threads=args.threads)
+    model = Trainer(cfg, args.out, args.device, args.resume).run()
+    print(f"model in {model}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltas-ros", description="DeltaS long-horizon video memory: tools."
@@ -200,6 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--wait-idle", action="store_true",
                      help="first wait until no chunk is waiting for the model")
     ask.set_defaults(run=ask_command)
+
+    train = commands.add_parser("train", help=train_command.__doc__)
+    train.add_argument("--config", default="config/train_tiny.yaml", help="training config")
+    train.add_argument("--out", default="out/train",
+                       help="run directory: checkpoint.pt, train.log, model/ (best so far)")
+    train.add_argument("--resume", action="store_true", help="continue OUT/checkpoint.pt")
+    train.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    train.add_argument("--seed", type=int, help="override the config's seed")
+    train.add_argument("--max-minutes", type=float, help="override the config's time limit")
+    train.add_argument("--max-steps", type=int, help="override the config's step limit")
+    train.add_argument("--threads", type=int, help="override the config's torch threads")
+    train.set_defaults(run=train_command)
     return parser
 
 
