@@ -112,6 +112,33 @@ _KERNEL_BINDINGS = {
 }
 
 
+# The model shipped with the package (README "The shipped model"): used wherever a model path is
+# optional and left empty. MODEL_INFO_FILE beside a model's weights records how it was trained.
+SHIPPED_MODEL = Path(__file__).parent / "models" / "scenes-tiny"
+MODEL_INFO_FILE = "deltas_model.json"
+
+
+def default_model_path() -> Path:
+    """The shipped model: a tiny Qwen3.5 trained on generated scene streams."""
+    return SHIPPED_MODEL
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """`path`, or the shipped model when it is empty or None."""
+    return Path(path) if path else SHIPPED_MODEL
+
+
+def resolve_pixel_budget(pixel_budget: int | None, model_path: str | Path | None) -> int:
+    """`pixel_budget` if set (> 0); else the budget the model was trained at, when stored with
+    it in MODEL_INFO_FILE; else DEFAULT_PIXEL_BUDGET (e.g. real Qwen3.5 weights)."""
+    if pixel_budget:
+        return pixel_budget
+    info = resolve_model_path(model_path) / MODEL_INFO_FILE
+    if info.is_file():
+        return int(json.loads(info.read_text())["pixel_budget"])
+    return DEFAULT_PIXEL_BUDGET
+
+
 @dataclass
 class LoadedModel:
     """A model ready for streaming, with the tokenizer that belongs to it."""

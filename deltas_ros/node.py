@@ -107,7 +107,7 @@ class MemoryNode(Node):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__("deltas_memory", **kwargs)
-        self.values = self._declare_parameters()
+        self.values = params.resolved(self._declare_parameters())
         problem = params.validate(self.values)
         if problem:
             raise ValueError(problem)

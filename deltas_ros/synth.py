@@ -172,8 +172,12 @@ def write_synth_bag(
     seed: int = 0,
     start_stamp: float = 1_700_000_000.0,
     event_every_s: float = 8.0,
+    scenes: SceneOptions | None = None,
 ) -> Path:
     """Write a synth stream as a rosbag2 directory that ROS 2 Kilted tools and rclpy can read.
+
+    scenes: write a scene stream (`scene_stream`, what the shipped model knows) instead of a
+    `synth_stream`; event_every_s is then unused.
 
     encoding "rgb8" writes sensor_msgs/msg/Image, "jpeg" sensor_msgs/msg/CompressedImage (the
     caller picks the topic; ROS convention appends "/compressed"). Header stamps and log times are
@@ -187,7 +191,10 @@ def write_synth_bag(
     plugins = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
     if storage not in plugins:
         raise ValueError(f"storage must be 'mcap' or 'sqlite3', not {storage!r}")
-    frames, events = synth_stream(duration_s, fps, width, height, seed, event_every_s)
+    if scenes is None:
+        frames, events = synth_stream(duration_s, fps, width, height, seed, event_every_s)
+    else:
+        frames, events = scene_stream(duration_s, fps, width, height, seed, scenes)
 
     typestore = get_typestore(Stores.ROS2_KILTED)
     types = typestore.types

@@ -36,6 +36,7 @@ from transformers.cache_utils import DynamicCache
 
 from .chunks import ChunkBuilder
 from .model import (
+    MODEL_INFO_FILE,
     TINY_TEXT,
     TINY_VISION,
     TINY_VISION_START_ID,
@@ -50,7 +51,6 @@ from .synth import SceneOptions, SceneStream
 
 FPS = 2.0
 FRAMES_PER_CHUNK = 2
-MODEL_INFO_FILE = "deltas_model.json"  # stored beside the weights: the pixel budget trained at
 # Stream seeds: training draws from TRAIN_SEEDS on, validation from VALIDATION_SEEDS on;
 # evaluation uses seeds below VALIDATION_SEEDS, never seen in training or model selection.
 VALIDATION_SEEDS = 500_000
