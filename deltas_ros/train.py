@@ -9,9 +9,10 @@ user turn at the next position, then the answer. Each step prefills B streams on
 questions of each: the stream cache is repeated Q times (`expand_cache`), so one stream forward
 serves Q supervised answers. Loss on the answer tokens (and <|im_end|>) only.
 
-Curriculum: config `stages` (until which step: stream lengths, objects per stream, cuts,
-distractors, overlap); short streams first, which is what breaks the plateau (see
-shared/notes/training-feasibility.md). Checkpoints go to OUT/checkpoint.pt every few minutes and
+Curriculum: config `stages` (stream lengths, objects per stream, cuts, distractors, overlap,
+question forms); short streams with one object first, which is what breaks the plateau (see
+shared/notes/training-feasibility.md). A stage ends when the running accuracy on the target forms
+reaches its `advance_at` (after `min_steps`), or at `until_step` at the latest. Checkpoints go to OUT/checkpoint.pt every few minutes and
 at the end; `--resume` continues from it (steps, optimizer, elapsed time). The model with the best
 held-out validation accuracy (validation seeds, never evaluation or training ones) is exported to
 OUT/model as a `from_pretrained` directory.
@@ -46,7 +47,14 @@ from .model import (
     select_gated_delta_kernels,
 )
 from .prompt import ChatLayout
-from .questions import DOMAIN_WORDS, FORMS, QA, TIME_TEXT_PIECES, sample_questions
+from .questions import (
+    DOMAIN_WORDS,
+    FORMS,
+    QA,
+    TARGET_FORMS,
+    TIME_TEXT_PIECES,
+    sample_questions,
+)
 from .synth import SceneOptions, SceneStream
 
 FPS = 2.0
@@ -59,7 +67,13 @@ TRAIN_SEEDS = 1_000_000
 
 @dataclass
 class Stage:
-    """One curriculum stage, used until `until_step` (the last stage runs to the end)."""
+    """One curriculum stage (the last one runs to the end of training).
+
+    until_step: the step at which the next stage starts at the latest
+    advance_at: running accuracy on the target forms that ends the stage early (> 1: never)
+    min_steps:  steps in the stage before advance_at is looked at
+    forms:      question form weights of this stage (default: the config's)
+    """
 
     until_step: int
     seconds: tuple[int, int] = (4, 8)
@@ -67,6 +81,9 @@ class Stage:
     cuts: tuple[int, int] = (0, 0)
     distractors: tuple[int, int] = (0, 0)
     overlap: bool = False
+    advance_at: float = 2.0
+    min_steps: int = 100
+    forms: dict[str, float] | None = None
 
     def options(self) -> SceneOptions:
         return SceneOptions(objects=tuple(self.objects), cuts=tuple(self.cuts),
@@ -115,6 +132,9 @@ class TrainConfig:
         raw["stages"] = [Stage(**{k: tuple(v) if isinstance(v, list) else v
                                   for k, v in s.items()}) for s in raw.get("stages", [])] \
             or [Stage(10**9)]
+        for stage in raw["stages"]:
+            if set(stage.forms or {}) - set(FORMS):
+                raise ValueError(f"{path}: unknown question forms in {stage}")
         if "betas" in raw:
             raw["betas"] = tuple(raw["betas"])
         unknown_forms = set(raw.get("forms", {})) - set(FORMS)
@@ -122,8 +142,6 @@ class TrainConfig:
             raise ValueError(f"{path}: unknown question forms {sorted(unknown_forms)}")
         return cls(**raw)
 
-    def stage(self, step: int) -> Stage:
-        return next((s for s in self.stages if step < s.until_step), self.stages[-1])
 
 
 # ----------------------------------------------------------------------------- model
@@ -265,14 +283,15 @@ class Batch:
 
 
 def make_batch(builder: ChunkBuilder, layout: ChatLayout, cfg: TrainConfig, seeds: list[int],
-               seconds: int, options: SceneOptions, questions: int) -> Batch:
+               seconds: int, options: SceneOptions, questions: int,
+               forms: dict[str, float] | None = None) -> Batch:
     tokenizer = builder.tokenizer
     streams, qas, rows, starts = [], [], [], []
     for seed in seeds:
         scene = SceneStream(seconds, cfg.width, cfg.height, seed, options)
         streams.append(stream_input(builder, layout, sampled_chunks(scene)))
         rng = np.random.default_rng((seed, 7))
-        for qa in sample_questions(scene.events(), rng, questions, cfg.forms):
+        for qa in sample_questions(scene.events(), rng, questions, forms or cfg.forms):
             ids, start = qa_ids(tokenizer, layout, qa)
             qas.append(qa)
             rows.append(ids)
@@ -344,6 +363,7 @@ class Trainer:
             [{"params": decay, "weight_decay": cfg.weight_decay},
              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
         self.step, self.elapsed_s, self.best = 0, 0.0, -1.0
+        self.stage_index, self.stage_start = 0, 0
         self.history: list[dict[str, Any]] = []
         checkpoint = self.out / "checkpoint.pt"
         if resume:
@@ -354,6 +374,7 @@ class Trainer:
             self.optim.load_state_dict(state["optim"])
             self.step, self.elapsed_s = state["step"], state["elapsed_s"]
             self.best, self.history = state["best"], state["history"]
+            self.stage_index, self.stage_start = state["stage_index"], state["stage_start"]
         elif checkpoint.exists():
             raise FileExistsError(f"{checkpoint} exists: pass --resume or another --out")
         self.out.mkdir(parents=True, exist_ok=True)
@@ -375,12 +396,12 @@ class Trainer:
 
     def train_step(self) -> tuple[float, list[QA], list[bool]]:
         cfg = self.cfg
-        stage = cfg.stage(self.step)
+        stage = cfg.stages[self.stage_index]
         rng = np.random.default_rng((cfg.seed, self.step))
         seconds = int(rng.integers(stage.seconds[0], stage.seconds[1] + 1))
         base = TRAIN_SEEDS + (cfg.seed * 10**7 + self.step) * cfg.batch
         batch = make_batch(self.builder, self.layout, cfg, list(range(base, base + cfg.batch)),
-                           seconds, stage.options(), cfg.questions)
+                           seconds, stage.options(), cfg.questions, stage.forms)
         self.model.train()
         loss, hits = loss_and_hits(forward(self.model, batch, self.device), batch)
         self.optim.zero_grad(set_to_none=True)
@@ -415,7 +436,8 @@ class Trainer:
     def save(self) -> None:
         state = {"model": self.model.state_dict(), "optim": self.optim.state_dict(),
                  "step": self.step, "elapsed_s": self.elapsed_s, "best": self.best,
-                 "history": self.history, "config": asdict(self.cfg)}
+                 "history": self.history, "stage_index": self.stage_index,
+                 "stage_start": self.stage_start, "config": asdict(self.cfg)}
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self.out / "checkpoint.pt")
@@ -444,10 +466,11 @@ class Trainer:
                 window[qa.form] = (window[qa.form] + [hit])[-200:]
             if self.step % cfg.log_every == 0:
                 accs = " ".join(f"{f}={np.mean(v):.2f}" for f, v in window.items() if v)
-                stage = cfg.stage(self.step - 1)
                 self.log(f"step {self.step} {self.elapsed_s / 60:.1f}min "
-                         f"{time.monotonic() - t0:.2f}s/step stage<{stage.until_step} "
+                         f"{time.monotonic() - t0:.2f}s/step stage {self.stage_index} "
                          f"loss {np.mean(losses):.3f} acc {accs}")
+            if self._advance(window):
+                window = {f: [] for f in FORMS}
             now = time.monotonic()
             if now - last_val > cfg.validate_minutes * 60:
                 self._validate_and_export()
@@ -460,6 +483,22 @@ class Trainer:
         self.log(f"done at step {self.step} after {self.elapsed_s / 60:.1f} min; best "
                  f"validation target accuracy {self.best:.3f}; model in {self.out / 'model'}")
         return self.out / "model"
+
+    def _advance(self, window: dict[str, list[bool]]) -> bool:
+        """Move to the next stage when this one is learned or its last step has passed."""
+        if self.stage_index + 1 >= len(self.cfg.stages):
+            return False
+        stage = self.cfg.stages[self.stage_index]
+        target = [hit for form in TARGET_FORMS for hit in window[form]]
+        learned = (self.step - self.stage_start >= stage.min_steps and len(target) >= 100
+                   and float(np.mean(target)) >= stage.advance_at)
+        if not learned and self.step < stage.until_step:
+            return False
+        self.stage_index += 1
+        self.stage_start = self.step
+        why = "learned" if learned else "its last step"
+        self.log(f"stage {self.stage_index} from step {self.step} ({why})")
+        return True
 
     def _validate_and_export(self) -> None:
         scores = self.validate()

@@ -12,7 +12,7 @@ from deltas_ros.chunks import ChunkBuilder
 from deltas_ros.memory import MemoryConfig, StreamingMemory
 from deltas_ros.model import LoadedModel, load_model, resolve_pixel_budget
 from deltas_ros.prompt import ChatLayout
-from deltas_ros.synth import SceneOptions, SceneStream
+from deltas_ros.synth import SceneStream
 from deltas_ros.train import (
     Stage,
     TrainConfig,
