@@ -12,9 +12,10 @@ serves Q supervised answers. Loss on the answer tokens (and <|im_end|>) only.
 Curriculum: config `stages` (stream lengths, objects per stream, cuts, distractors, overlap,
 question forms); short streams with one object first, which is what breaks the plateau (see
 shared/notes/training-feasibility.md). A stage ends when the running accuracy on the target forms
-reaches its `advance_at` (after `min_steps`), or at `until_step` at the latest. Checkpoints go to OUT/checkpoint.pt every few minutes and
-at the end; `--resume` continues from it (steps, optimizer, elapsed time). The model with the best
-held-out validation accuracy (validation seeds, never evaluation or training ones) is exported to
+reaches its `advance_at` (after `min_steps`), or at `until_step` at the latest.
+
+Checkpoints go to OUT/checkpoint.pt every few minutes and at the end; `--resume` continues from it
+(steps, stage, optimizer, elapsed time). The model with the best held-out validation accuracy (validation seeds, never evaluation or training ones) is exported to
 OUT/model as a `from_pretrained` directory.
 """
 
