@@ -15,8 +15,9 @@ shared/notes/training-feasibility.md). A stage ends when the running accuracy on
 reaches its `advance_at` (after `min_steps`), or at `until_step` at the latest.
 
 Checkpoints go to OUT/checkpoint.pt every few minutes and at the end; `--resume` continues from it
-(steps, stage, optimizer, elapsed time). The model with the best held-out validation accuracy (validation seeds, never evaluation or training ones) is exported to
-OUT/model as a `from_pretrained` directory.
+(steps, stage, optimizer, elapsed time). The model with the best held-out validation accuracy
+(validation seeds, never evaluation or training ones) is exported to OUT/model as a
+`from_pretrained` directory.
 """
 
 from __future__ import annotations
