@@ -21,6 +21,8 @@ setup(
     description="Bounded long-horizon video memory (DeltaS on Qwen3.5): ROS-free core and CLI",
     license="Apache-2.0",
     packages=["deltas_ros"],
+    # The shipped scene model (deltas_ros/models/scenes-tiny), the default model.
+    package_data={"deltas_ros": ["models/*/*"]},
     python_requires=">=3.10",
     install_requires=[
         "numpy",

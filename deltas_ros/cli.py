@@ -4,15 +4,18 @@
     deltas-ros make-model --config qwen3_5_9b_config.json OUT_DIR
     deltas-ros synth OUT_BAG [--duration 30] [--fps 30] [--width 640] [--height 480]
                      [--encoding rgb8|jpeg] [--storage mcap|sqlite3] [--topic T] [--seed 0]
+                     [--scenes]
     deltas-ros replay BAG [--rate 1.0] [--loop] [--max-loops N] [--clock] [--topic T ...]
                       [--best-effort]
-    deltas-ros run BAG_OR_VIDEO --model DIR [--out results.jsonl] [--policy deltas]
+    deltas-ros run BAG_OR_VIDEO [--model DIR] [--out results.jsonl] [--policy deltas]
                    [--budget 8192] [--window 1024] [--sinks 4] [--buckets 4]
-                   [--pixel-budget 102400] [--fps 2] [--device auto] [--dtype auto] [--topic T]
+                   [--pixel-budget N] [--fps 2] [--device auto] [--dtype auto] [--topic T]
                    [--ask "question" ...] [--max-new-tokens 64] [--quiet]
     deltas-ros plot RESULTS [RESULTS ...] [--out plot.png]
     deltas-ros ask "question" [--node /deltas_memory] [--max-new-tokens N] [--timeout 120]
                    [--wait-idle]
+    deltas-ros train [--config config/train_tiny.yaml] [--out out/train] [--resume]
+                     [--device cpu|cuda] [--seed N] [--max-minutes M] [--max-steps N]
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def make_model_command(args: argparse.Namespace) -> int:
 def synth_command(args: argparse.Namespace) -> int:
     """Write a generated camera stream with known events as a rosbag2 (plus events.json)."""
     from .bag import load_events
-    from .synth import write_synth_bag
+    from .synth import SceneOptions, write_synth_bag
 
     out = write_synth_bag(
         args.out_bag,
@@ -50,6 +53,7 @@ def synth_command(args: argparse.Namespace) -> int:
         storage=args.storage,
         topic=args.topic,
         seed=args.seed,
+        scenes=SceneOptions() if args.scenes else None,
     )
     print(f"wrote {out}")
     for event in load_events(out):
@@ -68,17 +72,17 @@ def replay_command(args: argparse.Namespace) -> int:
 def run_command(args: argparse.Namespace) -> int:
     """Feed a bag or video file through the memory at the node's sampling, without ROS."""
     from .memory import MemoryConfig, StreamingMemory
-    from .model import load_model
+    from .model import load_model, resolve_model_path, resolve_pixel_budget
     from .offline import open_source, run_file
 
+    model = resolve_model_path(args.model)
     config = MemoryConfig(
         budget_tokens=args.budget, sink_tokens=args.sinks, window_tokens=args.window,
         buckets=args.buckets, policy=args.policy, max_new_tokens=args.max_new_tokens,
+        pixel_budget=resolve_pixel_budget(args.pixel_budget, model),
     )
-    if args.pixel_budget is not None:
-        config.pixel_budget = args.pixel_budget
     source = open_source(args.source, args.topic)  # a bad input fails before the model loads
-    memory = StreamingMemory(load_model(args.model, args.device, args.dtype), config)
+    memory = StreamingMemory(load_model(model, args.device, args.dtype), config)
     summary, asked = run_file(memory, source, args.out, questions=args.ask or (),
                               fps=args.fps, progress=not args.quiet)
     held = summary.retained_times
@@ -120,6 +124,17 @@ def ask_command(args: argparse.Namespace) -> int:
     return 0 if response.success else 1
 
 
+def train_command(args: argparse.Namespace) -> int:
+    """Train the tiny scene model (a Qwen3.5) on generated streams; see deltas_ros/train.py."""
+    from .train import TrainConfig, Trainer
+
+    cfg = TrainConfig.from_file(args.config, seed=args.seed, max_minutes=args.max_minutes,
+                                max_steps=args.max_steps, threads=args.threads)
+    model = Trainer(cfg, args.out, args.device, args.resume).run()
+    print(f"model in {model}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltas-ros", description="DeltaS long-horizon video memory: tools."
@@ -145,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--storage", default="mcap", choices=["mcap", "sqlite3"])
     synth.add_argument("--topic", default="/camera/image_raw")
     synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--scenes", action="store_true",
+                       help="a scene stream: shapes the shipped model answers about")
     synth.set_defaults(run=synth_command)
 
     replay = commands.add_parser("replay", help=replay_command.__doc__)
@@ -165,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help=run_command.__doc__)
     run.add_argument("source", help="rosbag2 directory or video file (any OpenCV can read)")
-    run.add_argument("--model", required=True, help="local Qwen3.5 model directory")
+    run.add_argument("--model", help="local Qwen3.5 model directory (default: the shipped "
+                                      "scene model)")
     run.add_argument("--out", default="results.jsonl",
                      help="results file: JSON lines, or CSV when it ends in .csv")
     run.add_argument("--policy", default="deltas",
@@ -175,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sinks", type=int, default=4, help="attention-sink tokens always kept")
     run.add_argument("--buckets", type=int, default=4, help="temporal buckets")
     run.add_argument("--pixel-budget", type=int,
-                     help="pixels per frame after resizing (default: 320x320, the node's)")
+                     help="pixels per frame after resizing (default: the model's stored "
+                          "budget, else 320x320; as the node)")
     run.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     run.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
@@ -200,6 +219,18 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--wait-idle", action="store_true",
                      help="first wait until no chunk is waiting for the model")
     ask.set_defaults(run=ask_command)
+
+    train = commands.add_parser("train", help=train_command.__doc__)
+    train.add_argument("--config", default="config/train_tiny.yaml", help="training config")
+    train.add_argument("--out", default="out/train",
+                       help="run directory: checkpoint.pt, train.log, model/ (best so far)")
+    train.add_argument("--resume", action="store_true", help="continue OUT/checkpoint.pt")
+    train.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    train.add_argument("--seed", type=int, help="override the config's seed")
+    train.add_argument("--max-minutes", type=float, help="override the config's time limit")
+    train.add_argument("--max-steps", type=int, help="override the config's step limit")
+    train.add_argument("--threads", type=int, help="override the config's torch threads")
+    train.set_defaults(run=train_command)
     return parser
 
 

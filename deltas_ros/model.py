@@ -7,6 +7,7 @@ Only transformers' public classes are used here (the kernels are chosen in `back
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from transformers import (
 from transformers.utils import logging as transformers_logging
 
 from .backend import select_gated_delta_kernels
+from .chunks import DEFAULT_PIXEL_BUDGET
 
 # Re-exported: callers import the maker's functions from here too (cli.py, test/conftest.py).
 from .maker import (  # noqa: F401
@@ -31,6 +33,32 @@ from .maker import (  # noqa: F401
     make_tokenizer,
     tiny_config,
 )
+
+# The model shipped with the package (README "The shipped model"): used wherever a model path is
+# optional and left empty. MODEL_INFO_FILE beside a model's weights records how it was trained.
+SHIPPED_MODEL = Path(__file__).parent / "models" / "scenes-tiny"
+MODEL_INFO_FILE = "deltas_model.json"
+
+
+def default_model_path() -> Path:
+    """The shipped model: a tiny Qwen3.5 trained on generated scene streams."""
+    return SHIPPED_MODEL
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """`path`, or the shipped model when it is empty or None."""
+    return Path(path) if path else SHIPPED_MODEL
+
+
+def resolve_pixel_budget(pixel_budget: int | None, model_path: str | Path | None) -> int:
+    """`pixel_budget` if set (> 0); else the budget the model was trained at, when stored with
+    it in MODEL_INFO_FILE; else DEFAULT_PIXEL_BUDGET (e.g. real Qwen3.5 weights)."""
+    if pixel_budget:
+        return pixel_budget
+    info = resolve_model_path(model_path) / MODEL_INFO_FILE
+    if info.is_file():
+        return int(json.loads(info.read_text())["pixel_budget"])
+    return DEFAULT_PIXEL_BUDGET
 
 
 @dataclass

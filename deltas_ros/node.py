@@ -75,7 +75,7 @@ class MemoryNode(Node):
         self.session: Session | None = None  # first: destroy_node must work if we raise
         self.stopping = threading.Event()
         super().__init__("deltas_memory", **kwargs)
-        self.values = declare_parameters(self)
+        self.values = params.resolved(declare_parameters(self))
         if problem := params.validate(self.values):
             raise ValueError(problem)
         p = self.values

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .chunks import DEFAULT_PIXEL_BUDGET
 from .memory import MemoryConfig
+from .model import resolve_model_path, resolve_pixel_budget
 from .policy import POLICY_NAMES
 
 DEVICES = ("auto", "cpu", "cuda")
+MIN_PIXEL_BUDGET = 32 * 32
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -43,10 +44,13 @@ PARAMS: tuple[Param, ...] = (
     Param("frames_per_chunk", 2,
           "Sampled frames per chunk (a multiple of the model's temporal patch, 2)",
           low=2, high=16),
-    Param("pixel_budget", DEFAULT_PIXEL_BUDGET,
-          "Pixels per frame after resizing (aspect kept); 320x320 gives ~100 tokens per chunk",
-          low=32 * 32, high=4096 * 4096),
-    Param("model_path", "", "Local directory of a Qwen3.5 model (never fetched from a hub)"),
+    Param("pixel_budget", 0,
+          "Pixels per frame after resizing (aspect kept); 320x320 gives ~100 tokens per chunk. "
+          "0: the budget stored with the model (the shipped one's), else 320x320",
+          low=0, high=4096 * 4096),
+    Param("model_path", "",
+          "Local directory of a Qwen3.5 model (never fetched from a hub); empty: the shipped "
+          "scene model"),
     Param("device", "auto", "auto (CUDA if available), cpu, cuda or cuda:N"),
     Param("dtype", "auto", "auto (bf16 on CUDA, float32 on CPU), float32, bfloat16, float16",
           choices=DTYPES),
@@ -123,8 +127,9 @@ def validate(values: dict[str, Any]) -> str | None:
         if param.choices and value not in param.choices:
             return f"{name} must be one of {', '.join(param.choices)}, got {value!r}"
     merged = defaults() | values
-    if not merged["model_path"]:
-        return "model_path is required: a local directory holding a Qwen3.5 model"
+    if 0 < merged["pixel_budget"] < MIN_PIXEL_BUDGET:
+        return f"pixel_budget must be 0 (the model's) or at least {MIN_PIXEL_BUDGET}, got " \
+            f"{merged['pixel_budget']}"
     device = merged["device"]
     if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
         return f"device must be auto, cpu, cuda or cuda:N, got {device!r}"
@@ -140,6 +145,11 @@ def validate(values: dict[str, Any]) -> str | None:
     return None
 
 
+def resolved(values: dict[str, Any]) -> dict[str, Any]:
+    """The values with an empty model_path made the shipped model's directory."""
+    return values | {"model_path": str(resolve_model_path(values.get("model_path")))}
+
+
 def memory_config(values: dict[str, Any]) -> MemoryConfig:
     """The engine's configuration from parameter values (raises ValueError if inconsistent)."""
     return MemoryConfig(
@@ -149,7 +159,7 @@ def memory_config(values: dict[str, Any]) -> MemoryConfig:
         buckets=values["buckets"],
         policy=values["policy"],
         seed=values["seed"],
-        pixel_budget=values["pixel_budget"],
+        pixel_budget=resolve_pixel_budget(values["pixel_budget"], values["model_path"]),
         max_new_tokens=values["max_new_tokens"],
         evidence_chunks=values["evidence_chunks"],
         max_question_s=values["max_question_s"],

@@ -2,6 +2,7 @@
 
     ros2 launch deltas_ros deltas.launch.py model_path:=/models/qwen3.5-9b \
         image_topic:=/camera/color/image_raw
+    ros2 launch deltas_ros deltas.launch.py     # the shipped scene model, /camera/image_raw
 """
 
 import os
@@ -19,7 +20,9 @@ def generate_launch_description() -> LaunchDescription:
     default_params = os.path.join(get_package_share_directory("deltas_ros"), "config",
                                   "deltas.yaml")
     arguments = [
-        DeclareLaunchArgument("model_path", description="Local Qwen3.5 model directory"),
+        DeclareLaunchArgument("model_path", default_value="",
+                              description="Local Qwen3.5 model directory (empty: the shipped "
+                                          "scene model)"),
         DeclareLaunchArgument("image_topic", default_value="/camera/image_raw",
                               description="Camera topic (sensor_msgs/Image)"),
         DeclareLaunchArgument("params_file", default_value=default_params,

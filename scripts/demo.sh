@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job, end to end on this machine:
-#   set up -> a model (tiny random one unless MODEL=dir) -> a camera stream (a generated bag unless
-#   BAG=dir) -> the memory node started as the launch file starts it -> the bag replayed into it
-#   over DDS -> a planner's question -> the same bag run offline per policy -> a plot.
+#   set up -> a model (the shipped scene model unless MODEL=dir) -> a camera stream (a generated
+#   scene bag unless BAG=dir) -> the memory node started as the launch file starts it -> the bag
+#   replayed into it over DDS -> a planner's question (by default about the bag's first object)
+#   -> the same bag run offline per policy at a small budget, asked the same -> a plot.
 # Everything lands in $OUT (default out/demo). ROS_DOMAIN_ID defaults to 57.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,21 +12,31 @@ scripts/setup.sh
 out=${OUT:-out/demo}
 mkdir -p "$out"
 cli=.venv/bin/deltas-ros
-model=${MODEL:-$out/tiny-model}
 bag=${BAG:-$out/stream}
-question=${QUESTION:-"What happened in front of the camera?"}
-# A small budget so that eviction happens within a 60 s demo stream (~100 tokens per second).
-memory_args=(-p budget_tokens:="${BUDGET:-2048}" -p window_tokens:=512)
+# The node's defaults (budget 8192 tokens) hold this whole stream; the offline runs per policy
+# below get a small budget (the shipped model's chunks are 14 tokens: ~14 tokens per second).
+offline_args=(--budget "${BUDGET:-80}" --window 14 --sinks 6)
 
-[ -f "$model/config.json" ] || "$cli" make-model --tiny "$model"
-[ -d "$bag" ] || "$cli" synth "$bag" --duration 60 --fps 30 --width 640 --height 480
+[ -d "$bag" ] || "$cli" synth "$bag" --scenes --duration 20 --fps 30 --width 640 --height 480
+# By default, a question about the first object of the generated stream.
+question=${QUESTION:-$(.venv/bin/python -c "import json, sys
+events = json.load(open(sys.argv[1]))['events']
+objects = [e for e in events if e['kind'] == 'object' and 'shape' in e]
+print(f\"What color was the {objects[0]['shape']}?\" if objects else 'What appeared?')" \
+  "$bag/events.json")}
+model_args=()
+run_model=()
+if [ -n "${MODEL:-}" ]; then
+  model_args=(-p model_path:="$(realpath "$MODEL")")
+  run_model=(--model "$MODEL")
+fi
 
 export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-57} ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
 export ROS_LOG_DIR=$PWD/$out/ros_log
 echo "== starting the memory node (log: $out/node.log)"
 .venv/lib/deltas_ros/memory_node --ros-args -r __node:=deltas_memory \
-  --params-file config/deltas.yaml -p model_path:="$PWD/$model" -p reliable_qos:=true \
-  "${memory_args[@]}" > "$out/node.log" 2>&1 &
+  --params-file config/deltas.yaml -p reliable_qos:=true "${model_args[@]}" \
+  > "$out/node.log" 2>&1 &
 node=$!
 trap 'kill -INT $node 2>/dev/null || true; wait $node 2>/dev/null || true' EXIT
 
@@ -34,10 +45,11 @@ echo "== replaying $bag into /camera/image_raw"
 echo "== asking: $question"
 "$cli" ask "$question" --wait-idle | tee "$out/answer.txt"
 
-echo "== the same stream offline, per policy"
+echo "== the same stream offline, per policy, at a budget of ${BUDGET:-80} tokens"
 for policy in deltas recency uniform; do
-  "$cli" run "$bag" --model "$model" --policy "$policy" --budget "${BUDGET:-2048}" \
-    --window 512 --quiet --out "$out/$policy.jsonl" | tail -n 1
+  echo "-- $policy"
+  "$cli" run "$bag" "${run_model[@]}" --policy "$policy" "${offline_args[@]}" \
+    --ask "$question" --quiet --out "$out/$policy.jsonl" | tail -n 4
 done
 "$cli" plot "$out"/deltas.jsonl "$out"/recency.jsonl "$out"/uniform.jsonl --out "$out/memory.png"
 echo "== done: answer in $out/answer.txt, plot in $out/memory.png"

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "deltas_ros"
 # The ROS side: rclpy and generated interfaces allowed.
 ROS_SIDE = {"node", "ros_adapters", "ask_action", "ros_memory", "replay", "ask_client"}
 # Tools: command line, generators, offline runs, plots, the tiny-model maker.
-TOOLS = {"cli", "synth", "bag", "offline", "plot", "maker"}
+TOOLS = {"cli", "synth", "bag", "offline", "plot", "maker", "train"}
 NODE = {"node", "ros_adapters", "ask_action", "ros_memory"}
 ROS_PACKAGES = ("rclpy", "rcl_interfaces", "builtin_interfaces", "std_msgs", "std_srvs",
                 "sensor_msgs", "diagnostic_msgs", "rosgraph_msgs", "geometry_msgs", "nav_msgs",

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from deltas_ros import params
+from deltas_ros.model import default_model_path, resolve_pixel_budget
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = {"model_path": "/models/qwen"}
@@ -62,8 +63,16 @@ def test_engine_limits_reach_the_memory_config():
     assert config.max_question_s == 7.5
 
 
+def test_empty_model_path_is_the_shipped_model_at_its_pixel_budget():
+    assert params.validate({}) is None
+    values = params.resolved(params.defaults())
+    assert values["model_path"] == str(default_model_path())
+    assert params.memory_config(values).pixel_budget == resolve_pixel_budget(0, "")
+    assert params.memory_config(values | {"pixel_budget": 4096}).pixel_budget == 4096
+
+
 @pytest.mark.parametrize("change,reason", [
-    ({"model_path": ""}, "model_path is required"),
+    ({"pixel_budget": 100}, "pixel_budget must be 0"),
     ({"fps": 0.0}, "fps must be within"),
     ({"fps": 2}, "fps must be a float"),
     ({"frames_per_chunk": 3}, "even"),

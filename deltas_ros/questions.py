@@ -1,0 +1,154 @@
+"""The questions the shipped scene model knows, their true answers, and how answers are scored.
+
+The forms are an interface (README lists them). Truth comes from a scene stream's events
+(synth.SceneStream: every object has a unique shape and a unique colour). The model writes the
+answer; code here only makes training targets and scores what the model wrote.
+
+    What appeared?                       a red circle and a blue square
+    What color was the <shape>?          red
+    Which shape was <color>?             circle
+    Did you see a <color> <shape>?       yes | no
+    When did the <color> <shape> appear? 12 seconds   (stream time, whole seconds)
+    How many objects appeared?           two
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .synth import COLOURS, SHAPES
+
+FORMS = ("colour", "shape", "seen", "appeared", "when", "count")
+TARGET_FORMS = ("colour", "shape", "seen")  # the forms the accuracy target is about
+TEMPLATES = {
+    "appeared": "What appeared?",
+    "colour": "What color was the {shape}?",
+    "shape": "Which shape was {colour}?",
+    "seen": "Did you see a {colour} {shape}?",
+    "when": "When did the {colour} {shape} appear?",
+    "count": "How many objects appeared?",
+}
+NUMBERS = ("zero", "one", "two", "three")
+# Whole words that become single tokens of the scene model's tokenizer.
+DOMAIN_WORDS = (*COLOURS, *SHAPES, "yes", "no", "a", "and", "seconds", *NUMBERS, "What",
+                "appeared", "color", "was", "the", "Which", "shape", "Did", "you", "see", "When",
+                "did", "appear", "How", "many", "objects")
+TIME_TEXT_PIECES = (" seconds>",)  # the tail of each chunk's "<t seconds>" time text
+WHEN_TOLERANCE_S = 1  # a "when" answer counts within this many whole seconds
+
+
+@dataclass(frozen=True)
+class QA:
+    """One question about a stream, with its true answer (what the model should write)."""
+
+    form: str
+    question: str
+    answer: str
+
+
+def objects_of(events: list[dict]) -> list[dict]:
+    """The object events, in order of appearance."""
+    return sorted((e for e in events if e["kind"] == "object"), key=lambda e: e["time"])
+
+
+def appear_second(event: dict, fps: float = 2.0) -> int:
+    """Whole stream second of the first sampled frame showing the object: the integer part of
+    the time text of the first chunk it is in (frames are sampled at k / fps)."""
+    first = np.ceil(event["time"] * fps - 1e-9) / fps
+    return int(first)
+
+
+def describe(objects: list[dict]) -> str:
+    """ "a red circle", "a red circle and a blue square", "a red circle, a ... and a ..." """
+    names = [f"a {o['colour']} {o['shape']}" for o in objects]
+    if len(names) <= 2:
+        return " and ".join(names)
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def answer_for(form: str, events: list[dict], colour: str = "", shape: str = "") -> str:
+    """The true answer to a question of `form` about a stream with these events."""
+    objects = objects_of(events)
+    if form == "appeared":
+        return describe(objects)
+    if form == "count":
+        return NUMBERS[len(objects)]
+    if form == "seen":
+        return "yes" if any(o["colour"] == colour and o["shape"] == shape
+                            for o in objects) else "no"
+    match = [o for o in objects if (not shape or o["shape"] == shape)
+             and (not colour or o["colour"] == colour)]
+    if len(match) != 1:
+        raise ValueError(f"{form!r}: {colour} {shape} is not exactly one object of the stream")
+    if form == "colour":
+        return match[0]["colour"]
+    if form == "shape":
+        return match[0]["shape"]
+    if form == "when":
+        return f"{appear_second(match[0])} seconds"
+    raise ValueError(f"unknown question form {form!r}; choose one of {', '.join(FORMS)}")
+
+
+def make_question(form: str, events: list[dict], rng: np.random.Generator,
+                  about: dict | None = None) -> QA:
+    """A question of `form` about the stream (about `about` when it names an object, else a
+    random one); "seen" asks about a seen object or, half the time, an unseen pair that shares
+    its shape or its colour (the hard negative) or neither."""
+    objects = objects_of(events)
+    target = about or objects[int(rng.integers(len(objects)))]
+    colour, shape = target["colour"], target["shape"]
+    if form == "seen" and about is None and rng.random() < 0.5:
+        seen = {(o["colour"], o["shape"]) for o in objects}
+        unseen = [(c, s) for c in COLOURS for s in SHAPES if (c, s) not in seen]
+        near = [(c, s) for c, s in unseen if c == colour or s == shape]
+        pool = near if near and rng.random() < 0.7 else unseen
+        colour, shape = pool[int(rng.integers(len(pool)))]
+    question = TEMPLATES[form].format(colour=colour, shape=shape)
+    keys = {"colour": {"shape": shape}, "shape": {"colour": colour}}.get(
+        form, {"colour": colour, "shape": shape})
+    return QA(form, question, answer_for(form, events, **keys))
+
+
+def sample_questions(events: list[dict], rng: np.random.Generator, count: int,
+                     weights: dict[str, float]) -> list[QA]:
+    """`count` questions, forms drawn by `weights` (forms missing from it are never asked)."""
+    forms = [f for f in FORMS if weights.get(f, 0) > 0]
+    p = np.array([weights[f] for f in forms], dtype=float)
+    picks = rng.choice(len(forms), size=count, p=p / p.sum())
+    return [make_question(forms[i], events, rng) for i in picks]
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def is_correct(qa: QA, text: str) -> bool:
+    """Whether the model's answer `text` says what `qa.answer` says.
+
+    Word-exact for single-word forms; "appeared" compares the set of (colour, shape) pairs
+    named; "when" accepts the whole second within WHEN_TOLERANCE_S.
+    """
+    said, truth = _words(text), _words(qa.answer)
+    if qa.form == "appeared":
+        return _pairs(said) == _pairs(truth)
+    if qa.form == "when":
+        numbers = [w for w in said if w.isdigit()]
+        return len(numbers) == 1 and abs(int(numbers[0]) - int(truth[0])) <= WHEN_TOLERANCE_S
+    return said == truth
+
+
+def _pairs(words: list[str]) -> set[tuple[str, str]] | None:
+    """{(colour, shape)} named as "colour shape" pairs; None if any word is out of place."""
+    pairs, colour = set(), None
+    for word in words:
+        if word in COLOURS and colour is None:
+            colour = word
+        elif word in SHAPES and colour is not None:
+            pairs.add((colour, word))
+            colour = None
+        elif word not in ("a", "and"):
+            return None
+    return pairs if colour is None else None

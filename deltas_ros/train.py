@@ -1,0 +1,514 @@
+"""Training a tiny Qwen3.5 to answer about scene streams, laid out as the memory feeds them.
+
+    deltas-ros train --config config/train_tiny.yaml --out out/train [--resume] [--device cuda]
+
+A training sample is exactly what `StreamingMemory` sees (test_train.py checks the ids and
+positions): the chat prefix of `ChatLayout`, then one chunk per second built by
+`ChunkBuilder.build` at the running position (2 frames at 2 fps), then the question closing the
+user turn at the next position, then the answer. Each step prefills B streams once and asks Q
+questions of each: the stream cache is repeated Q times (`expand_cache`), so one stream forward
+serves Q supervised answers. Loss on the answer tokens (and <|im_end|>) only.
+
+Curriculum: config `stages` (stream lengths, objects per stream, cuts, distractors, overlap,
+question forms); short streams with one object first, which is what breaks the plateau (see
+shared/notes/training-feasibility.md). A stage ends when the running accuracy on the target forms
+reaches its `advance_at` (after `min_steps`), or at `until_step` at the latest.
+
+Checkpoints go to OUT/checkpoint.pt every few minutes and at the end; `--resume` continues from it
+(steps, stage, optimizer, elapsed time). The model with the best held-out validation accuracy
+(validation seeds, never evaluation or training ones) is exported to OUT/model as a
+`from_pretrained` directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import AddedToken
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers.cache_utils import DynamicCache
+
+from .backend import select_gated_delta_kernels
+from .chunks import ChunkBuilder
+from .maker import (
+    TINY_TEXT,
+    TINY_VISION,
+    TINY_VISION_START_ID,
+    init_decay_like_trained,
+    make_processor,
+    make_tokenizer,
+)
+from .model import MODEL_INFO_FILE
+from .prompt import ChatLayout
+from .questions import (
+    DOMAIN_WORDS,
+    FORMS,
+    QA,
+    TARGET_FORMS,
+    TIME_TEXT_PIECES,
+    sample_questions,
+)
+from .synth import SceneOptions, SceneStream
+
+FPS = 2.0
+FRAMES_PER_CHUNK = 2
+# Stream seeds: training draws from TRAIN_SEEDS on, validation from VALIDATION_SEEDS on;
+# evaluation uses seeds below VALIDATION_SEEDS, never seen in training or model selection.
+VALIDATION_SEEDS = 500_000
+TRAIN_SEEDS = 1_000_000
+
+
+@dataclass
+class Stage:
+    """One curriculum stage (the last one runs to the end of training).
+
+    until_step: the step at which the next stage starts at the latest
+    advance_at: running accuracy on the target forms that ends the stage early (> 1: never)
+    min_steps:  steps in the stage before advance_at is looked at
+    forms:      question form weights of this stage (default: the config's)
+    """
+
+    until_step: int
+    seconds: tuple[int, int] = (4, 8)
+    objects: tuple[int, int] = (1, 2)
+    cuts: tuple[int, int] = (0, 0)
+    distractors: tuple[int, int] = (0, 0)
+    overlap: bool = False
+    advance_at: float = 2.0
+    min_steps: int = 100
+    forms: dict[str, float] | None = None
+
+    def options(self) -> SceneOptions:
+        return SceneOptions(objects=tuple(self.objects), cuts=tuple(self.cuts),
+                            distractors=tuple(self.distractors), overlap=self.overlap)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on (config/train_tiny.yaml sets these)."""
+
+    seed: int = 0
+    batch: int = 8
+    questions: int = 4
+    lr: float = 2e-3
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.01
+    warmup: int = 50
+    decay_fraction: float = 0.3
+    clip: float = 1.0
+    max_steps: int = 100_000
+    max_minutes: float = 60.0
+    checkpoint_minutes: float = 5.0
+    validate_minutes: float = 5.0
+    validation_streams: int = 32
+    validation_seconds: int = 20
+    log_every: int = 20
+    threads: int = 1
+    width: int = 128
+    height: int = 96
+    pixel_budget: int = 8192
+    forms: dict[str, float] = field(default_factory=lambda: {
+        "colour": 3, "shape": 2, "seen": 3, "appeared": 1, "when": 1, "count": 1})
+    text: dict[str, Any] = field(default_factory=dict)  # overrides of model.TINY_TEXT
+    vision: dict[str, Any] = field(default_factory=dict)  # overrides of model.TINY_VISION
+    stages: list[Stage] = field(default_factory=lambda: [Stage(10**9)])
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        import yaml
+
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+        raw["stages"] = [Stage(**{k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in s.items()}) for s in raw.get("stages", [])] \
+            or [Stage(10**9)]
+        for stage in raw["stages"]:
+            if set(stage.forms or {}) - set(FORMS):
+                raise ValueError(f"{path}: unknown question forms in {stage}")
+        if "betas" in raw:
+            raw["betas"] = tuple(raw["betas"])
+        unknown_forms = set(raw.get("forms", {})) - set(FORMS)
+        if unknown_forms:
+            raise ValueError(f"{path}: unknown question forms {sorted(unknown_forms)}")
+        return cls(**raw)
+
+
+
+# ----------------------------------------------------------------------------- model
+def scene_tokenizer():
+    """The byte-level Qwen3.5 tokenizer plus whole-word tokens for the scene domain and the
+    chunk time text's " seconds>" (a chunk's time text: 6 tokens instead of 13-14)."""
+    tokenizer = make_tokenizer(TINY_VISION_START_ID)
+    tokenizer.add_tokens([AddedToken(w, single_word=True, normalized=False)
+                          for w in DOMAIN_WORDS]
+                         + [AddedToken(p, normalized=False) for p in TIME_TEXT_PIECES])
+    return tokenizer
+
+
+def scene_config(cfg: TrainConfig, vocab_size: int) -> Qwen3_5Config:
+    """model.tiny_config's layout (Gated DeltaNet + full attention 3:1) at the config's sizes."""
+    vs = TINY_VISION_START_ID
+    text = {**TINY_TEXT, **cfg.text}
+    vision = {**TINY_VISION, **cfg.vision}
+    return Qwen3_5Config(
+        text_config=dict(text, vocab_size=math.ceil(vocab_size / 16) * 16, eos_token_id=vs - 7),
+        vision_config=dict(vision, out_hidden_size=text["hidden_size"]),
+        vision_start_token_id=vs, vision_end_token_id=vs + 1, image_token_id=vs + 3,
+        video_token_id=vs + 4, tie_word_embeddings=False,
+    )
+
+
+def new_model(cfg: TrainConfig, tokenizer) -> Qwen3_5ForConditionalGeneration:
+    torch.manual_seed(cfg.seed)
+    model = Qwen3_5ForConditionalGeneration(scene_config(cfg, len(tokenizer)))
+    init_decay_like_trained(model, cfg.seed)
+    return model
+
+
+def export_model(model, tokenizer, out_dir: str | Path, pixel_budget: int,
+                 info: dict[str, Any]) -> Path:
+    """Write a directory `load_model` reads: weights (safetensors), tokenizer, processor, and
+    MODEL_INFO_FILE with the pixel budget the model was trained at."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    make_processor(tokenizer, model.config, pixel_budget).save_pretrained(out_dir)
+    (out_dir / MODEL_INFO_FILE).write_text(
+        json.dumps({"pixel_budget": pixel_budget, **info}, indent=2) + "\n")
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- samples
+@dataclass
+class StreamInput:
+    """One stream as the memory prefills it, before any question.
+
+    input_ids (L,), positions (3, L), pixel_values (chunks * patches, patch_dim),
+    grid_thw (chunks, 3); next_position: where the question starts.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    next_position: int
+
+
+def sampled_chunks(stream: SceneStream) -> list[tuple[list[np.ndarray], list[float]]]:
+    """(frames, times) per chunk: frames at 2 fps from time 0, two per chunk, as the node's
+    FrameSampler groups a camera stream (stream times count from the first frame)."""
+    items = list(stream.frames(FPS))
+    n = len(items) // FRAMES_PER_CHUNK * FRAMES_PER_CHUNK
+    return [([f for _, f in items[i:i + FRAMES_PER_CHUNK]],
+             [t for t, _ in items[i:i + FRAMES_PER_CHUNK]])
+            for i in range(0, n, FRAMES_PER_CHUNK)]
+
+
+def stream_input(builder: ChunkBuilder, layout: ChatLayout,
+                 chunks: list[tuple[list[np.ndarray], list[float]]]) -> StreamInput:
+    """The chat prefix, then each chunk at the running position, as StreamingMemory does."""
+    ids, positions = builder.text(layout.prefix, 0)
+    all_ids, all_pos, pixels, grids = [ids[0]], [positions[:, 0]], [], []
+    position = positions.max().item() + 1
+    for frames, times in chunks:
+        chunk = builder.build(frames, times, position)
+        all_ids.append(chunk.input_ids[0])
+        all_pos.append(chunk.position_ids[:, 0])
+        pixels.append(chunk.pixel_values)
+        grids.append(chunk.grid_thw)
+        position = chunk.next_position
+    return StreamInput(torch.cat(all_ids), torch.cat(all_pos, 1), torch.cat(pixels),
+                       torch.cat(grids), position)
+
+
+def qa_ids(tokenizer, layout: ChatLayout, qa: QA) -> tuple[list[int], int]:
+    """Question (closing the user turn, opening the answer) + answer + <|im_end|>; and where
+    the answer starts."""
+    question = layout.question_ids(tokenizer, qa.question)
+    answer = tokenizer.encode(qa.answer, add_special_tokens=False)
+    return question + answer + [tokenizer.convert_tokens_to_ids("<|im_end|>")], len(question)
+
+
+def expand_cache(cache: DynamicCache, repeats: int, text_config) -> DynamicCache:
+    """A new cache holding each batch row of `cache` `repeats` times (rows b*repeats + q).
+
+    Its Gated DeltaNet layers replace their states instead of updating them in place, so
+    gradients flow back through the questions into the stream (transformers' cache copies
+    into fixed buffers for cudagraphs, which autograd cannot go back through).
+    """
+    out = DynamicCache(config=text_config)
+    for old, new in zip(cache.layers, out.layers):
+        if hasattr(old, "recurrent_states"):
+            new.conv_states[0] = old.conv_states[0].repeat_interleave(repeats, 0)
+            new.recurrent_states[0] = old.recurrent_states[0].repeat_interleave(repeats, 0)
+            new.conv_kernel_size[0] = old.conv_kernel_size[0]
+            new.dtype, new.device = old.dtype, old.device
+            new.is_conv_states_initialized[0] = new.is_recurrent_states_initialized[0] = True
+            new.has_previous_state[0] = True
+            new.record_past = True  # conv states: assigned, not copied in place
+            new.update_recurrent_state = _assigning_update(new)
+        if getattr(old, "keys", None) is not None:
+            new.lazy_initialization(old.keys, old.values)
+            new.keys = old.keys.repeat_interleave(repeats, 0)
+            new.values = old.values.repeat_interleave(repeats, 0)
+    return out
+
+
+def _assigning_update(layer):
+    def update(recurrent_states: torch.Tensor, state_idx: int = 0, **_: Any) -> torch.Tensor:
+        layer.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+    return update
+
+
+@dataclass
+class Batch:
+    """B streams of equal length (same token layout) and Q questions each."""
+
+    streams: list[StreamInput]
+    qas: list[QA]  # B * Q, stream-major
+    qa_ids: torch.Tensor  # (B * Q, Lq), right-padded
+    answer_mask: torch.Tensor  # (B * Q, Lq) bool: positions whose next token is supervised
+
+
+def make_batch(builder: ChunkBuilder, layout: ChatLayout, cfg: TrainConfig, seeds: list[int],
+               seconds: int, options: SceneOptions, questions: int,
+               forms: dict[str, float] | None = None) -> Batch:
+    tokenizer = builder.tokenizer
+    streams, qas, rows, starts = [], [], [], []
+    for seed in seeds:
+        scene = SceneStream(seconds, cfg.width, cfg.height, seed, options)
+        streams.append(stream_input(builder, layout, sampled_chunks(scene)))
+        rng = np.random.default_rng((seed, 7))
+        for qa in sample_questions(scene.events(), rng, questions, forms or cfg.forms):
+            ids, start = qa_ids(tokenizer, layout, qa)
+            qas.append(qa)
+            rows.append(ids)
+            starts.append(start)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        mask[i, start - 1:len(row) - 1] = True  # logits at p predict token p + 1
+    return Batch(streams, qas, ids, mask)
+
+
+def forward(model, batch: Batch, device: torch.device) -> torch.Tensor:
+    """Logits (B * Q, Lq, vocab) of the questions and answers after their streams."""
+    text_config = model.config.text_config
+    streams = batch.streams
+    ids = torch.stack([s.input_ids for s in streams]).to(device)
+    positions = torch.stack([s.positions for s in streams], 1).to(device)
+    cache = DynamicCache(config=text_config)
+    model.model(
+        input_ids=ids,
+        pixel_values_videos=torch.cat([s.pixel_values for s in streams]).to(device),
+        video_grid_thw=torch.cat([s.grid_thw for s in streams]).to(device),
+        mm_token_type_ids=(ids == model.config.video_token_id).int() * 2,
+        position_ids=positions, cache=cache, use_cache=True,
+    )
+    repeats = batch.qa_ids.shape[0] // len(streams)
+    cache = expand_cache(cache, repeats, text_config)
+    start = streams[0].next_position
+    width = batch.qa_ids.shape[1]
+    qa_positions = torch.arange(start, start + width, device=device).expand(3, len(batch.qas), -1)
+    hidden = model.model(input_ids=batch.qa_ids.to(device), position_ids=qa_positions,
+                         cache=cache, use_cache=True).last_hidden_state
+    return model.lm_head(hidden)
+
+
+def loss_and_hits(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, list[bool]]:
+    """Cross-entropy over the answer tokens; per question whether every answer token is the
+    argmax (teacher-forced exact match)."""
+    targets = batch.qa_ids[:, 1:].to(logits.device)
+    mask = batch.answer_mask[:, :-1].to(logits.device)
+    picked = logits[:, :-1][mask]
+    loss = F.cross_entropy(picked.float(), targets[mask])
+    right = (logits[:, :-1].argmax(-1) == targets) | ~mask
+    return loss, right.all(1).tolist()
+
+
+# ----------------------------------------------------------------------------- training
+class Trainer:
+    """One training run in OUT: checkpoint.pt (resumable), model/ (best export), train.log."""
+
+    def __init__(self, cfg: TrainConfig, out: str | Path, device: str = "cpu",
+                 resume: bool = False) -> None:
+        self.cfg, self.out = cfg, Path(out)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda requested but CUDA is not available")
+        torch.set_num_threads(cfg.threads)
+        select_gated_delta_kernels(self.device)
+        self.tokenizer = scene_tokenizer()
+        self.model = new_model(cfg, self.tokenizer).to(self.device)
+        self.builder = ChunkBuilder.for_model(self.model, self.tokenizer, cfg.pixel_budget)
+        self.layout = ChatLayout.from_tokenizer(self.tokenizer)
+        decay, rest = [], []
+        for name, p in self.model.named_parameters():
+            (decay if p.ndim >= 2 and "embed" not in name else rest).append(p)
+        self.optim = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay},
+             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+        self.step, self.elapsed_s, self.best = 0, 0.0, -1.0
+        self.stage_index, self.stage_start = 0, 0
+        self.history: list[dict[str, Any]] = []
+        checkpoint = self.out / "checkpoint.pt"
+        if resume:
+            if not checkpoint.is_file():
+                raise FileNotFoundError(f"nothing to resume: {checkpoint} is missing")
+            state = torch.load(checkpoint, map_location=self.device, weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.optim.load_state_dict(state["optim"])
+            self.step, self.elapsed_s = state["step"], state["elapsed_s"]
+            self.best, self.history = state["best"], state["history"]
+            self.stage_index, self.stage_start = state["stage_index"], state["stage_start"]
+        elif checkpoint.exists():
+            raise FileExistsError(f"{checkpoint} exists: pass --resume or another --out")
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(self.out / "train.log", "a")
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def lr(self) -> float:
+        """Linear warm-up, constant, then linear decay to 10 % over the last `decay_fraction`
+        of the run's length (the step or the time limit, whichever is nearer)."""
+        cfg = self.cfg
+        warm = min(1.0, (self.step + 1) / cfg.warmup)
+        done = max(self.step / cfg.max_steps, self.elapsed_s / (cfg.max_minutes * 60))
+        decay = min(1.0, max(0.0, (1 - done) / cfg.decay_fraction)) if cfg.decay_fraction else 1
+        return cfg.lr * warm * (0.1 + 0.9 * decay)
+
+    def train_step(self) -> tuple[float, list[QA], list[bool]]:
+        cfg = self.cfg
+        stage = cfg.stages[self.stage_index]
+        rng = np.random.default_rng((cfg.seed, self.step))
+        seconds = int(rng.integers(stage.seconds[0], stage.seconds[1] + 1))
+        base = TRAIN_SEEDS + (cfg.seed * 10**7 + self.step) * cfg.batch
+        batch = make_batch(self.builder, self.layout, cfg, list(range(base, base + cfg.batch)),
+                           seconds, stage.options(), cfg.questions, stage.forms)
+        self.model.train()
+        loss, hits = loss_and_hits(forward(self.model, batch, self.device), batch)
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
+        for group in self.optim.param_groups:
+            group["lr"] = self.lr()
+        self.optim.step()
+        self.step += 1
+        return loss.item(), batch.qas, hits
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Teacher-forced exact-match accuracy per form on fixed validation streams."""
+        cfg = self.cfg
+        self.model.eval()
+        right: dict[str, list[bool]] = {f: [] for f in FORMS}
+        options = cfg.stages[-1].options()
+        for first in range(0, cfg.validation_streams, cfg.batch):
+            seeds = [VALIDATION_SEEDS + s for s in
+                     range(first, min(first + cfg.batch, cfg.validation_streams))]
+            batch = make_batch(self.builder, self.layout, cfg, seeds, cfg.validation_seconds,
+                               options, cfg.questions)
+            _, hits = loss_and_hits(forward(self.model, batch, self.device), batch)
+            for qa, hit in zip(batch.qas, hits):
+                right[qa.form].append(hit)
+        scores = {f: float(np.mean(v)) for f, v in right.items() if v}
+        targets = [scores[f] for f in ("colour", "shape", "seen") if f in scores]
+        scores["target"] = float(np.mean(targets)) if targets else 0.0
+        return scores
+
+    def save(self) -> None:
+        state = {"model": self.model.state_dict(), "optim": self.optim.state_dict(),
+                 "step": self.step, "elapsed_s": self.elapsed_s, "best": self.best,
+                 "history": self.history, "stage_index": self.stage_index,
+                 "stage_start": self.stage_start, "config": asdict(self.cfg)}
+        tmp = self.out / "checkpoint.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.out / "checkpoint.pt")
+
+    def export(self, scores: dict[str, float]) -> Path:
+        info = {"trained_steps": self.step, "trained_minutes": round(self.elapsed_s / 60, 1),
+                "validation": scores, "train_config": asdict(self.cfg)}
+        return export_model(self.model, self.tokenizer, self.out / "model",
+                            self.cfg.pixel_budget, info)
+
+    def run(self) -> Path:
+        cfg = self.cfg
+        start = time.monotonic() - self.elapsed_s
+        last_save = last_val = time.monotonic()
+        window: dict[str, list[bool]] = {f: [] for f in FORMS}
+        losses: list[float] = []
+        self.log(f"training from step {self.step} ({self.elapsed_s / 60:.1f} min done), "
+                 f"{sum(p.numel() for p in self.model.parameters()):,} parameters, "
+                 f"device {self.device}")
+        while self.step < cfg.max_steps and self.elapsed_s < cfg.max_minutes * 60:
+            t0 = time.monotonic()
+            loss, qas, hits = self.train_step()
+            self.elapsed_s = time.monotonic() - start
+            losses = (losses + [loss])[-cfg.log_every:]
+            for qa, hit in zip(qas, hits):
+                window[qa.form] = (window[qa.form] + [hit])[-200:]
+            if self.step % cfg.log_every == 0:
+                accs = " ".join(f"{f}={np.mean(v):.2f}" for f, v in window.items() if v)
+                self.log(f"step {self.step} {self.elapsed_s / 60:.1f}min "
+                         f"{time.monotonic() - t0:.2f}s/step stage {self.stage_index} "
+                         f"loss {np.mean(losses):.3f} acc {accs}")
+            if self._advance(window):
+                window = {f: [] for f in FORMS}
+            now = time.monotonic()
+            if now - last_val > cfg.validate_minutes * 60:
+                self._validate_and_export()
+                last_val = time.monotonic()
+            if now - last_save > cfg.checkpoint_minutes * 60:
+                self.save()
+                last_save = time.monotonic()
+        self._validate_and_export()
+        self.save()
+        self.log(f"done at step {self.step} after {self.elapsed_s / 60:.1f} min; best "
+                 f"validation target accuracy {self.best:.3f}; model in {self.out / 'model'}")
+        return self.out / "model"
+
+    def _advance(self, window: dict[str, list[bool]]) -> bool:
+        """Move to the next stage when this one is learned or its last step has passed."""
+        if self.stage_index + 1 >= len(self.cfg.stages):
+            return False
+        stage = self.cfg.stages[self.stage_index]
+        target = [hit for form in TARGET_FORMS for hit in window[form]]
+        learned = (self.step - self.stage_start >= stage.min_steps and len(target) >= 100
+                   and float(np.mean(target)) >= stage.advance_at)
+        if not learned and self.step < stage.until_step:
+            return False
+        self.stage_index += 1
+        self.stage_start = self.step
+        why = "learned" if learned else "its last step"
+        self.log(f"stage {self.stage_index} from step {self.step} ({why})")
+        return True
+
+    def _validate_and_export(self) -> None:
+        scores = self.validate()
+        self.history.append({"step": self.step, "minutes": round(self.elapsed_s / 60, 1),
+                             **scores})
+        line = " ".join(f"{k}={v:.2f}" for k, v in scores.items())
+        better = scores["target"] > self.best
+        if better:
+            self.best = scores["target"]
+            self.export(scores)
+        self.log(f"validation at step {self.step}: {line}{' (exported)' if better else ''}")

@@ -1,0 +1,43 @@
+"""Smoke test of bench/answers.py (answers per retention policy) and its interval."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import answers
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_wilson_interval():
+    assert answers.wilson(0, 0) == (0.0, 1.0)
+    lo, hi = answers.wilson(9, 10)
+    assert lo == pytest.approx(0.596, abs=1e-3) and hi == pytest.approx(0.982, abs=1e-3)
+    lo, hi = answers.wilson(10, 10)
+    assert hi == 1.0 and 0.69 < lo < 0.73
+
+
+def test_answers_bench_runs_every_condition(tmp_path):
+    answers.main(["--streams", "1", "--seconds", "6", "--lengths", "1", "--policies", "deltas",
+                  "recency", "pixel_diff", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "answers.json").read_text())
+    table = results["table"]
+    assert set(table) == {"full", "state", "deltas@0.1", "recency@0.1", "pixel_diff@0.1",
+                          "deltas@0.25", "recency@0.25", "pixel_diff@0.25"}
+    records = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    per_condition = {r["condition"] for r in records}
+    assert per_condition == set(table)
+    questions = [r["question"] for r in records if r["condition"] == "full"]
+    assert questions == [r["question"] for r in records if r["condition"] == "state"]
+    assert (tmp_path / "answers.png").stat().st_size > 0
+    assert "| full |" in (tmp_path / "answers.md").read_text()

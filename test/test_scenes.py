@@ -1,0 +1,104 @@
+"""Scene streams and their questions: ground truth that matches the pixels, answers the forms
+promise, scoring that accepts what is right and only that."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deltas_ros.questions import (
+    FORMS,
+    QA,
+    TEMPLATES,
+    answer_for,
+    appear_second,
+    is_correct,
+    make_question,
+    sample_questions,
+)
+from deltas_ros.synth import COLOURS, SHAPES, SceneOptions, SceneStream, scene_stream
+from deltas_ros.train import scene_tokenizer
+
+OPTIONS = SceneOptions(objects=(3, 3), cuts=(1, 1), distractors=(1, 2))
+
+
+def test_scene_stream_is_deterministic_and_its_objects_are_unique():
+    a = SceneStream(20, 128, 96, 7, OPTIONS)
+    b = SceneStream(20, 128, 96, 7, OPTIONS)
+    assert a.events() == b.events()
+    assert np.array_equal(a.frame(3.5, 7), b.frame(3.5, 7))
+    objects = [e for e in a.events() if e["kind"] == "object"]
+    assert len(objects) == 3
+    assert len({o["shape"] for o in objects}) == len({o["colour"] for o in objects}) == 3
+    assert {e["kind"] for e in a.events()} == {"object", "cut", "distractor"}
+    spans = sorted((o["time"], o["end"]) for o in objects)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap
+
+
+def test_an_object_is_on_screen_exactly_while_its_event_says():
+    stream = SceneStream(12, 128, 96, 3, SceneOptions(objects=(1, 1), jitter=0.0))
+    event = next(e for e in stream.events() if e["kind"] == "object")
+    colour = np.array(COLOURS[event["colour"]])
+
+    def coloured(t: float) -> float:
+        frame = stream.frame(t).astype(int)
+        return float((np.abs(frame - colour).sum(-1) < 40).mean())
+
+    assert coloured((event["time"] + event["end"]) / 2) > 0.05
+    assert coloured(max(0.0, event["time"] - 0.3)) < 0.005
+    assert coloured(event["end"] + 0.1) < 0.005
+
+
+def test_scene_stream_renders_any_size_and_rate():
+    frames, events = scene_stream(3, 30, 320, 240, 1, OPTIONS)
+    items = list(frames)
+    assert len(items) == 90 and items[0][1].shape == (240, 320, 3)
+    assert items[1][0] == pytest.approx(1 / 30)
+    with pytest.raises(ValueError):
+        SceneOptions(objects=(0, 4))
+
+
+def test_answers_follow_the_forms():
+    events = [
+        {"kind": "object", "time": 2.2, "end": 4, "shape": "circle", "colour": "red"},
+        {"kind": "cut", "time": 5, "end": 5},
+        {"kind": "object", "time": 9.0, "end": 11, "shape": "square", "colour": "blue"},
+    ]
+    assert answer_for("appeared", events) == "a red circle and a blue square"
+    assert answer_for("count", events) == "two"
+    assert answer_for("colour", events, shape="square") == "blue"
+    assert answer_for("shape", events, colour="red") == "circle"
+    assert answer_for("seen", events, "red", "circle") == "yes"
+    assert answer_for("seen", events, "blue", "circle") == "no"
+    assert answer_for("when", events, "red", "circle") == "2 seconds"  # first frame at 2.5 s
+    assert appear_second({"time": 9.0}) == 9
+    with pytest.raises(ValueError):
+        answer_for("colour", events, shape="triangle")
+    rng = np.random.default_rng(0)
+    for qa in sample_questions(events, rng, 60, {f: 1 for f in FORMS}):
+        assert qa.question in {TEMPLATES[qa.form].format(colour=c, shape=s)
+                               for c in COLOURS for s in SHAPES}
+    seen = [make_question("seen", events, rng).answer for _ in range(200)]
+    assert 50 < seen.count("no") < 150  # negatives are asked too
+
+
+def test_scoring_accepts_right_answers_only():
+    appeared = QA("appeared", "What appeared?", "a red circle and a blue square")
+    assert is_correct(appeared, "a blue square and a red circle.")
+    assert not is_correct(appeared, "a red circle")
+    assert not is_correct(appeared, "a red square and a blue circle")
+    when = QA("when", "When did the red circle appear?", "12 seconds")
+    assert is_correct(when, "13 seconds") and not is_correct(when, "14 seconds")
+    colour = QA("colour", "What color was the circle?", "red")
+    assert is_correct(colour, "Red") and not is_correct(colour, "red blue")
+
+
+def test_domain_words_are_single_tokens():
+    tokenizer = scene_tokenizer()
+    for word in ("red", "circle", "yes", "seconds", "What"):
+        assert len(tokenizer.encode(word, add_special_tokens=False)) == 1
+    time_text = tokenizer.encode("<12.2 seconds>", add_special_tokens=False)
+    assert len(time_text) == 6
+    assert tokenizer.decode(time_text) == "<12.2 seconds>"
+    assert tokenizer.decode(tokenizer.encode("a red circle", add_special_tokens=False)) \
+        == "a red circle"

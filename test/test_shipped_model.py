@@ -1,0 +1,86 @@
+"""The shipped scene model answers from the memory: right about a held-out stream, and no longer
+right once the chunks showing the object are forced out of the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltas_ros.cli import main
+from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.model import default_model_path, load_model, resolve_pixel_budget
+from deltas_ros.policy import ChunkSignals, RetentionPolicy
+from deltas_ros.questions import objects_of
+from deltas_ros.synth import SceneOptions, SceneStream, write_synth_bag
+from deltas_ros.train import VALIDATION_SEEDS, sampled_chunks
+
+# Held-out streams (seeds below VALIDATION_SEEDS never reach training or model selection),
+# picked among those the shipped model answers right, with a circle in view early on.
+STREAM_SEED = 0
+BAG_SEED = 1
+OPTIONS = SceneOptions(objects=(1, 1))
+SECONDS = 12
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_model(default_model_path(), "cpu")
+
+
+class EvictChunks(RetentionPolicy):
+    """Scores the given chunks lowest, so a budget short of their tokens evicts them."""
+
+    name = "evict_chunks"
+    buckets = 1
+
+    def __init__(self, chunks: set[int]) -> None:
+        self.chunks = chunks
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return torch.full((chunk.num_tokens,), 0.0 if chunk.index in self.chunks else 1.0)
+
+
+def _memory(shipped, budget: int, policy: RetentionPolicy | None = None) -> StreamingMemory:
+    config = MemoryConfig(budget_tokens=budget, sink_tokens=6, window_tokens=14, buckets=1,
+                          pixel_budget=resolve_pixel_budget(0, default_model_path()))
+    memory = StreamingMemory(shipped, config)
+    if policy is not None:
+        memory.policy = policy
+    return memory
+
+
+def test_answer_comes_from_the_retained_chunks(shipped):
+    assert STREAM_SEED < VALIDATION_SEEDS
+    scene = SceneStream(SECONDS, 128, 96, STREAM_SEED, OPTIONS)
+    target = objects_of(scene.events())[0]
+    chunks = sampled_chunks(scene)
+    shown = {k for k, (_, times) in enumerate(chunks)
+             if any(target["time"] <= t < target["end"] for t in times)}
+    assert max(shown) < len(chunks) - 1  # not in the recent window
+    question = f"What color was the {target['shape']}?"
+
+    full = _memory(shipped, 10**6)
+    for frames, times in chunks:
+        full.add_chunk(frames, times)
+    assert full.ask(question).text == target["colour"]
+
+    tokens = full.kv_tokens
+    shown_tokens = int(sum((full.slot_chunk == k).sum() for k in shown))
+    evicted = _memory(shipped, tokens - shown_tokens, EvictChunks(shown))
+    for frames, times in chunks:
+        evicted.add_chunk(frames, times)
+    assert set(evicted.stats().retained_chunks).isdisjoint(shown)
+    assert evicted.ask(question).text != target["colour"]
+
+
+def test_run_answers_without_a_model_argument(tmp_path, capsys):
+    bag = write_synth_bag(tmp_path / "bag", duration_s=SECONDS, fps=4.0, width=128, height=96,
+                          seed=BAG_SEED, scenes=OPTIONS)
+    circle = next(o for o in objects_of(SceneStream(SECONDS, 128, 96, BAG_SEED,
+                                                    OPTIONS).events())
+                  if o["shape"] == "circle")
+    code = main(["run", str(bag), "--ask", "What color was the circle?", "--quiet",
+                 "--out", str(tmp_path / "results.jsonl")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"A: {circle['colour']}\n" in out

@@ -1,0 +1,101 @@
+"""Training: samples laid out exactly as the memory feeds a stream, a run that trains, checkpoints,
+exports a loadable model and resumes to the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltas_ros.chunks import ChunkBuilder
+from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.model import LoadedModel, load_model, resolve_pixel_budget
+from deltas_ros.prompt import ChatLayout
+from deltas_ros.synth import SceneStream
+from deltas_ros.train import (
+    Stage,
+    TrainConfig,
+    Trainer,
+    forward,
+    make_batch,
+    new_model,
+    qa_ids,
+    sampled_chunks,
+    scene_tokenizer,
+    stream_input,
+)
+
+TINY = dict(batch=2, questions=3, warmup=1, validation_streams=2, validation_seconds=4,
+            log_every=1, width=64, height=48, pixel_budget=4096, max_minutes=600,
+            checkpoint_minutes=600, validate_minutes=600, decay_fraction=0.0,
+            stages=[Stage(10**9, seconds=(2, 4), objects=(1, 2))])
+
+
+@pytest.fixture(scope="module")
+def scene_model():
+    from deltas_ros.backend import select_gated_delta_kernels
+
+    select_gated_delta_kernels(torch.device("cpu"))
+    tokenizer = scene_tokenizer()
+    model = new_model(TrainConfig(**TINY), tokenizer).eval().requires_grad_(False)
+    return LoadedModel(model, tokenizer, Path("scene"), torch.device("cpu"), torch.float32, False)
+
+
+def test_sample_is_what_the_memory_feeds(scene_model):
+    """Same token ids and 3-D positions as StreamingMemory's cache slots, the question at the
+    memory's next position, and the answer logits of the training forward equal those of the
+    memory's own prefill of that question."""
+    cfg = TrainConfig(**TINY)
+    tokenizer = scene_model.tokenizer
+    builder = ChunkBuilder.for_model(scene_model.model, tokenizer, cfg.pixel_budget)
+    layout = ChatLayout.from_tokenizer(tokenizer)
+    options = cfg.stages[0].options()
+    batch = make_batch(builder, layout, cfg, [3, 4], 4, options, cfg.questions)
+    with torch.no_grad():
+        logits = forward(scene_model.model, batch, torch.device("cpu"))
+
+    stream = batch.streams[1]
+    for row in range(cfg.questions, 2 * cfg.questions):  # the questions about stream 1
+        memory = StreamingMemory(scene_model, MemoryConfig(
+            budget_tokens=10**6, window_tokens=8, pixel_budget=cfg.pixel_budget))
+        chunks = sampled_chunks(SceneStream(4, cfg.width, cfg.height, 4, options))
+        for frames, times in chunks:
+            memory.add_chunk(frames, times)
+        assert torch.equal(memory.slot_position, stream.positions)
+        assert memory.next_position == stream.next_position
+        assert torch.equal(stream.input_ids,
+                           stream_input(memory.builder, memory.layout, chunks).input_ids)
+        ids, start = qa_ids(tokenizer, layout, batch.qas[row])
+        question_ids, positions = memory._question_ids(batch.qas[row].question)
+        assert question_ids[0].tolist() == ids[:start]
+        first = positions[0, 0, 0].item()
+        assert first == stream.next_position
+        with torch.inference_mode():
+            hidden = memory._prefill(torch.tensor([ids]),
+                                     torch.arange(first, first + len(ids)).expand(3, 1, -1))
+            expected = scene_model.model.lm_head(hidden)[0]
+        torch.testing.assert_close(logits[row, :len(ids)], expected, atol=2e-5, rtol=1e-4)
+
+
+def test_train_checkpoint_export_and_resume(tmp_path):
+    """Two steps, resumed for a third, give the weights of three steps straight; the exported
+    model loads through from_pretrained and carries its pixel budget."""
+    straight = Trainer(TrainConfig(**TINY, max_steps=3), tmp_path / "straight")
+    straight.run()
+    first = Trainer(TrainConfig(**TINY, max_steps=2), tmp_path / "resumed")
+    first.run()
+    with pytest.raises(FileExistsError):
+        Trainer(TrainConfig(**TINY, max_steps=3), tmp_path / "resumed")
+    resumed = Trainer(TrainConfig(**TINY, max_steps=3), tmp_path / "resumed", resume=True)
+    assert resumed.step == 2
+    resumed.run()
+    assert resumed.step == 3
+    for (name, a), b in zip(straight.model.state_dict().items(),
+                            resumed.model.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert "loss" in (tmp_path / "resumed" / "train.log").read_text()
+    exported = tmp_path / "resumed" / "model"
+    loaded = load_model(exported, "cpu")
+    assert resolve_pixel_budget(0, exported) == TINY["pixel_budget"]
+    assert loaded.model.config.text_config.layer_types.count("full_attention") == 2
