@@ -353,9 +353,9 @@ class Trainer:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda requested but CUDA is not available")
         torch.set_num_threads(cfg.threads)
-        select_gated_delta_kernels(self.device)
         self.tokenizer = scene_tokenizer()
         self.model = new_model(cfg, self.tokenizer).to(self.device)
+        select_gated_delta_kernels(self.model, self.device)
         self.builder = ChunkBuilder.for_model(self.model, self.tokenizer, cfg.pixel_budget)
         self.layout = ChatLayout.from_tokenizer(self.tokenizer)
         decay, rest = [], []

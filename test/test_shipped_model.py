@@ -65,7 +65,7 @@ def test_answer_comes_from_the_retained_chunks(shipped):
     assert full.ask(question).text == target["colour"]
 
     tokens = full.kv_tokens
-    shown_tokens = int(sum((full.slot_chunk == k).sum() for k in shown))
+    shown_tokens = int(sum((full.slots.chunk == k).sum() for k in shown))
     evicted = _memory(shipped, tokens - shown_tokens, EvictChunks(shown))
     for frames, times in chunks:
         evicted.add_chunk(frames, times)

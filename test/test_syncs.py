@@ -34,6 +34,7 @@ HOST_TABLE = {  # slot table, selection and chunk inputs: host tensors by design
     ("slots.py", "append", "cpu"),  # host positions / scores: a no-op on host tensors
     ("slots.py", "arrival_order", "__bool__"),
     ("slots.py", "_held_stamps", "unique"), ("slots.py", "_held_stamps", "tolist"),
+    ("slots.py", "_held_poses", "unique"), ("slots.py", "_held_poses", "tolist"),
     ("slots.py", "fill_plan", "cpu"), ("slots.py", "fill_plan", "nonzero"),
     ("policy.py", "select_keep", "nonzero"), ("policy.py", "select_keep", "__getitem__"),
     ("policy.py", "_bucket_of", "__bool__"),

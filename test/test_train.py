@@ -36,9 +36,9 @@ TINY = dict(batch=2, questions=3, warmup=1, validation_streams=2, validation_sec
 def scene_model():
     from deltas_ros.backend import select_gated_delta_kernels
 
-    select_gated_delta_kernels(torch.device("cpu"))
     tokenizer = scene_tokenizer()
     model = new_model(TrainConfig(**TINY), tokenizer).eval().requires_grad_(False)
+    select_gated_delta_kernels(model, torch.device("cpu"))
     return LoadedModel(model, tokenizer, Path("scene"), torch.device("cpu"), torch.float32, False)
 
 
@@ -62,18 +62,18 @@ def test_sample_is_what_the_memory_feeds(scene_model):
         chunks = sampled_chunks(SceneStream(4, cfg.width, cfg.height, 4, options))
         for frames, times in chunks:
             memory.add_chunk(frames, times)
-        assert torch.equal(memory.slot_position, stream.positions)
+        assert torch.equal(memory.slots.position, stream.positions)
         assert memory.next_position == stream.next_position
         assert torch.equal(stream.input_ids,
                            stream_input(memory.builder, memory.layout, chunks).input_ids)
         ids, start = qa_ids(tokenizer, layout, batch.qas[row])
-        question_ids, positions = memory._question_ids(batch.qas[row].question)
-        assert question_ids[0].tolist() == ids[:start]
-        first = positions[0, 0, 0].item()
+        # The memory's question layout, at the memory's next position.
+        assert memory.layout.question_ids(tokenizer, batch.qas[row].question) == ids[:start]
+        first = memory.next_position
         assert first == stream.next_position
         with torch.inference_mode():
-            hidden = memory._prefill(torch.tensor([ids]),
-                                     torch.arange(first, first + len(ids)).expand(3, 1, -1))
+            hidden = memory.backend.prefill_text(
+                torch.tensor([ids]), torch.arange(first, first + len(ids)).expand(3, 1, -1))
             expected = scene_model.model.lm_head(hidden)[0]
         torch.testing.assert_close(logits[row, :len(ids)], expected, atol=2e-5, rtol=1e-4)
 
