@@ -285,6 +285,9 @@ def main(args: list[str] | None = None) -> int:
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except RuntimeError:  # RCLError: a signal shut the context down inside rclpy's wait
+        if rclpy.ok():
+            raise
     finally:
         ended = node.stop()  # first: service callbacks waiting for the worker return now
         executor.shutdown(timeout_sec=SHUTDOWN_S)
