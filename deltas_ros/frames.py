@@ -389,6 +389,11 @@ class FrameSampler:
         """Header stamp the current stream's times count from (None before the first frame)."""
         return self._first
 
+    @property
+    def next_index(self) -> int:
+        """Index the next chunk of the current stream gets."""
+        return self._index
+
     def resume(self, stream_start: float, last_stamp: float, next_index: int) -> None:
         """Continue a saved stream (after a restart): stream times still count from its start,
         chunk indices go on, and the clock stands at `last_stamp`."""

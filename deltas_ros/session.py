@@ -96,21 +96,24 @@ class StreamRecord:
         return cls(float(start), float(last), index)
 
 
-def continue_clock(record: StreamRecord, live_stamp: float | None,
+def continue_clock(record: StreamRecord, live_stamp: float | None, live_index: int,
                    fps: float) -> tuple[float, float, int]:
     """(stream start, last stamp, next index) for FrameSampler.resume after loading `record`.
 
     The rule: with no chunk from the camera yet (since the start or a reset), the saved stream
     continues as it was (a restart).
-    With a live camera at `live_stamp` on or after the saved last stamp, stream times keep the
-    saved start (the time in between is a gap). With a live camera behind the saved stamps (another
-    clock: a replay, sim time), the live stream continues the saved one one frame period after its
-    last frame. Never a jump back: loading does not wipe what it loaded.
+    With a live camera at `live_stamp` on or after the saved last stamp (the file's own clock),
+    stream times keep the saved start (the time in between is a gap), and indices go on from
+    the later of the file's and the camera's (`live_index`): chunks the camera made after the
+    save left the memory with the load, but their indices were published and are never given
+    twice. With a live camera behind the saved stamps (another clock: a replay, sim time), the
+    live stream continues the saved one one frame period after its last frame. Never a jump
+    back: loading does not wipe what it loaded.
     """
     if live_stamp is None:
         return record.stream_start, record.last_stamp, record.next_chunk_index
     if live_stamp >= record.last_stamp:
-        return record.stream_start, live_stamp, record.next_chunk_index
+        return record.stream_start, live_stamp, max(record.next_chunk_index, live_index)
     saved_span = record.last_stamp - record.stream_start
     return live_stamp - saved_span - 1.0 / fps, live_stamp, record.next_chunk_index
 
@@ -247,6 +250,7 @@ class Session:
                 self.live_stamp = None
             else:
                 self.sampler.resume(*continue_clock(record, self.live_stamp,
+                                                    self.sampler.next_index,
                                                     self.sampler.fps))
         return self._done(memory, record=record, discarded=discarded)
 

@@ -117,9 +117,12 @@ def test_stream_record_round_trips_and_refuses_doctored_values():
 
 def test_loading_continues_the_clock_and_never_jumps_back():
     record = StreamRecord(BASE, BASE + 2.5, 3)
-    assert continue_clock(record, None, 2.0) == (BASE, BASE + 2.5, 3)  # a restart
-    assert continue_clock(record, BASE + 9.0, 2.0) == (BASE, BASE + 9.0, 3)  # same clock, later
-    start, last, index = continue_clock(record, 100.0, 2.0)  # a clock behind the file's
+    assert continue_clock(record, None, 0, 2.0) == (BASE, BASE + 2.5, 3)  # a restart
+    # Same clock, later: a restarted camera (index 1) continues the file's indices; chunks made
+    # after the save (index 9) keep theirs, so no index is published twice.
+    assert continue_clock(record, BASE + 9.0, 1, 2.0) == (BASE, BASE + 9.0, 3)
+    assert continue_clock(record, BASE + 9.0, 9, 2.0) == (BASE, BASE + 9.0, 9)
+    start, last, index = continue_clock(record, 100.0, 9, 2.0)  # a clock behind the file's
     assert (last, index) == (100.0, 3)
     assert 100.0 + 0.5 - start == pytest.approx(2.5 + 1.0)  # next frame: one period on
 
@@ -241,6 +244,27 @@ def test_a_load_while_the_camera_streams_continues_without_wiping(running, tiny_
     start = sampler.stream_start
     expected = reference_drift(tiny_model, live + 2.0, 2, lambda s: s - start, path)
     assert [r[2] for r in after] == expected
+
+
+def test_a_load_after_more_chunks_of_the_same_stream_never_repeats_an_index(running,
+                                                                          tiny_model):
+    """The soak's save, then a chunk, then the load: the memory goes back to the file, and the
+    stream goes on without publishing the chunk index it has already published."""
+    run = running()
+    run.push(BASE, 3.0)
+    run.settle(3)
+    path = run.session.files.resolve("three")
+    run.call(lambda m: run.session.save(m, path))
+    run.push(BASE + 3.0, 1.0)  # chunk 3: published, then undone by the load
+    run.settle(4)
+    assert run.call(lambda m: run.session.load(m, path)).chunks == 3
+    run.push(BASE + 4.0, 2.0)
+    run.settle(6)
+    indices = [r[0] for r in run.reports]
+    assert indices == [0, 1, 2, 3, 4, 5]
+    assert run.memory.chunks_seen == 5  # the file's 3 and the 2 after the load
+    expected = reference_drift(tiny_model, BASE + 4.0, 2, lambda s: s - BASE, path)
+    assert [r[2] for r in run.reports[4:]] == expected
 
 
 def test_autosave_runs_between_chunks_not_inside_the_report(running):
