@@ -37,6 +37,6 @@ setup(
         "tqdm",
     ],
     # fla's Triton kernels for the Gated DeltaNet layers on CUDA (torch's are used without it).
-    extras_require={"cuda": ["flash-linear-attention"]},
+    extras_require={"cuda": ["flash-linear-attention==0.6.0"]},
     entry_points={"console_scripts": ["deltas-ros = deltas_ros.cli:main"]},
 )

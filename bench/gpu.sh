@@ -30,7 +30,7 @@ start=$SECONDS
 
 smoke=${SMOKE:-0}
 need='import torch, torchvision, transformers, cv2, rosbags, transformers.models.qwen3_5'
-[ "$smoke" = 1 ] || need+=$'\nassert torch.cuda.is_available(), "no CUDA device"'
+[ "$smoke" = 1 ] || need+=$'\nassert torch.cuda.is_available(), "no CUDA device"\nimport fla.ops.gated_delta_rule'
 if [ -n "${PYTHON:-}" ]; then
   py=$PYTHON
   "$py" -c "$need"
@@ -41,8 +41,9 @@ elif command -v python3 > /dev/null && python3 -c "$need" 2>/dev/null; then
 else
   venv=${VENV:-/tmp/deltas-bench-venv}
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  grep -E '^(torch|torchvision|transformers|safetensors|flash-linear-attention|numpy|opencv-python-headless|rosbags|mcap)==' \
+  grep -E '^(torch|torchvision|transformers|safetensors|numpy|opencv-python-headless|rosbags|mcap)==' \
     requirements.txt > "$out/requirements-gpu.txt"
+  grep -o 'flash-linear-attention==[0-9.]*' setup.py >> "$out/requirements-gpu.txt"  # CUDA extra
   "$venv/bin/python" -m pip install --quiet -r "$out/requirements-gpu.txt"
   py=$venv/bin/python
   "$py" -c "$need"
