@@ -2,19 +2,17 @@
 token, cancellable within one token. The memory is bit-identical afterwards in every outcome
 (StreamingMemory.ask rolls back).
 
-Goals are rejected while the memory is not serving (the model loading or failed) and when
-`ACTION_SLOTS` goals are already accepted (the action's question queue is full): a planner gets
-an immediate no instead of a goal that waits behind others for minutes. The server's callbacks
-are reentrant so that a cancel request is taken while its goal decodes; the executor threads
-they may hold are counted in node.EXECUTOR_THREADS.
+Goals are rejected while the memory is not serving (the node not active, or the model not
+loaded) and when `ACTION_SLOTS` goals are already accepted (the action's question queue is
+full): a planner gets an immediate no instead of a goal that waits behind others for minutes.
+The server's callbacks are reentrant so that a cancel request is taken while its goal decodes;
+the executor threads they may hold are counted in node.EXECUTOR_THREADS.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
@@ -22,7 +20,7 @@ from rclpy.node import Node
 
 from .action import AskMemory
 from .ros_memory import fill_answer
-from .session import Session
+from .session import NOT_CONFIGURED
 
 ACTION_SLOTS = 2  # goals accepted at once (each holds an executor thread while it runs)
 
@@ -33,10 +31,10 @@ def window(since: float, until: float) -> dict[str, float | None]:
 
 
 class AskActionServer:
-    """The action server of `node`, asking through `session`'s worker."""
+    """The action server of `node`, asking through the worker of `node.session`."""
 
-    def __init__(self, node: Node, session: Session, values: Callable[[], dict[str, Any]]) -> None:
-        self.node, self.session, self.values = node, session, values
+    def __init__(self, node: Node) -> None:
+        self.node = node
         self.lock, self.accepted = threading.Lock(), 0
         self.server = ActionServer(node, AskMemory, "~/ask", execute_callback=self._execute,
                                    goal_callback=self._on_goal,
@@ -44,8 +42,10 @@ class AskActionServer:
                                    callback_group=ReentrantCallbackGroup())
 
     def _on_goal(self, _goal) -> GoalResponse:
+        session = self.node.session
         with self.lock:
-            if not self.session.ready or self.accepted >= ACTION_SLOTS:
+            if session is None or not (session.ready and session.active) \
+                    or self.accepted >= ACTION_SLOTS:
                 return GoalResponse.REJECT
             self.accepted += 1
         return GoalResponse.ACCEPT
@@ -58,12 +58,13 @@ class AskActionServer:
                 self.accepted -= 1
 
     def _answer(self, goal_handle) -> AskMemory.Result:
-        start, goal, session = time.perf_counter(), goal_handle.request, self.session
+        start, goal, session = time.perf_counter(), goal_handle.request, self.node.session
         result = AskMemory.Result()
-        result.message = session.question_refusal(goal.question, goal.max_new_tokens)
+        result.message = NOT_CONFIGURED if session is None else \
+            session.question_refusal(goal.question, goal.max_new_tokens)
         answer = None
         if not result.message:
-            values = self.values()
+            values = self.node.values
 
             def on_token(text: str, tokens: int) -> None:
                 goal_handle.publish_feedback(AskMemory.Feedback(answer=text, tokens=tokens))

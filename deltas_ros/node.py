@@ -1,31 +1,33 @@
-"""`deltas_memory`: the ROS 2 node. Camera in, DeltaS memory inside, answers and health out.
+"""`deltas_memory`: the ROS 2 node, a managed (lifecycle) node. Camera in, DeltaS memory inside,
+answers and health out.
+
+Lifecycle (rclpy.lifecycle; with `autostart`, the default, the node walks to active by itself,
+else a lifecycle manager drives it through the standard lifecycle_msgs services):
+    configure   validate the parameters, load the model, open the memory (load_on_start)
+    activate    subscribe to the camera (and pose_topic); questions and ask goals are served
+    deactivate  unsubscribe; the memory and its stream are kept; questions are refused
+    cleanup     stop the worker, free the model and the memory (RSS / CUDA memory logged)
+    shutdown    autosave (when autosave_chunks is set), then free as cleanup does
+Reset, save and load work whenever the node is configured; diagnostics in every state.
 
 Wiring only; the state and its rules live in session.py (no rclpy), the model in worker.py:
     camera callback -> Session.take_frame (FrameGate by header stamp) -> MemoryWorker
-    ~/ask_memory (AskMemory), ~/ask (AskMemory action, ask_action.py), ~/reset_memory (Trigger),
-    ~/save_memory, ~/load_memory (MemoryFile) -> MemoryWorker, between chunks; whole-memory
-        operations are Session methods run there
+    memory_services.py (~/ask_memory, ~/reset_memory, ~/save_memory, ~/load_memory) and
+        ask_action.py (~/ask) -> MemoryWorker, between chunks
     pose_topic (optional) -> PoseInput; the worker tags each chunk with the pose at its stamp
     MemoryWorker -> ~/drift (DriftScore, one per chunk), ~/memory_image after an eviction;
     1 Hz timer -> /diagnostics
 
-Threads: a MultiThreadedExecutor runs the camera, the diagnostics timer, the memory services
-(reset, save, load) and the parameter services in mutually exclusive callback groups, and the
-questions in a group that runs at most `QUESTION_SLOTS` at once. A service callback blocks its
-executor thread until the worker has served it, so the pool (`EXECUTOR_THREADS`) is sized to
-leave a free thread for the camera and the timer whatever the planners do. (When every pool
-thread was blocked, rclpy's executor spun re-submitting the waiting callbacks and starved the
-worker of the GIL; see README "Reliability".) Further requests wait in their service queue
-(`SERVICE_QUEUE` deep), in order of arrival.
+memory_node.py is the executable around it. Threads: a MultiThreadedExecutor runs the camera,
+the timer, the lifecycle transitions, the memory services and the parameter services in separate
+callback groups; the pool (`EXECUTOR_THREADS`) leaves a thread for the camera and the timer
+whatever planners do (when every thread was blocked, rclpy's executor spun and starved the
+worker; README "Reliability").
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
-import time
-from pathlib import Path
 from typing import Any
 
 import rclpy
@@ -33,282 +35,250 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.clock import Clock, ClockType
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import LifecycleNodeMixin, LifecycleState, TransitionCallbackReturn
 from rclpy.node import Node
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message
 from sensor_msgs.msg import CompressedImage, Image
-from std_srvs.srv import Trigger
 
 from . import params
-from .ask_action import ACTION_SLOTS, AskActionServer, window
+from .ask_action import ACTION_SLOTS, AskActionServer
 from .cdr import raw_header, raw_stamp
-from .frames import TimeEvent, decode_message
-from .memory import StreamingMemory
-from .memory_files import MemoryFiles, MemoryPathError, read_key
-from .model import load_model
+from .frames import decode_message
+from .memory_services import QUESTION_SLOTS, MemoryServices
 from .msg import DriftScore
 from .ros_adapters import (
-    BoundedCallbackGroup,
     CameraSubscription,
     camera_topic,
     declare_parameters,
     diagnostics_message,
     drift_message,
+    log_frame_outcome,
 )
-from .ros_memory import MemoryImageTopic, PoseInput, fill_answer, pose_stamped
-from .session import NOT_READY, Session, State
-from .srv import AskMemory, MemoryFile
+from .ros_memory import MemoryImageTopic, PoseInput, pose_stamped
+from .session import NOT_READY, Level, Session
+
+__all__ = ["EXECUTOR_THREADS", "NOT_READY", "QUESTION_SLOTS", "SHUTDOWN_S", "MemoryNode"]
 
 FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
-SERVICE_QUEUE = 100  # requests held per service beyond those being served; more are dropped
-QUESTION_SLOTS = 4  # questions handed to the worker at once
-# Camera, diagnostics, memory services, parameter services, the question slots, and a spare.
-EXECUTOR_THREADS = QUESTION_SLOTS + ACTION_SLOTS + 5
+# Camera, diagnostics, lifecycle, memory services, parameter services, the question slots, the
+# action's goals, and a spare.
+EXECUTOR_THREADS = QUESTION_SLOTS + ACTION_SLOTS + 6
 SHUTDOWN_S = 3.0  # on SIGINT/SIGTERM, how long the model may finish its current item
+SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
 
 
-class MemoryNode(Node):
-    """The DeltaS memory as a ROS 2 node (see the module docstring for the data flow)."""
+class MemoryNode(LifecycleNodeMixin, Node):
+    """The DeltaS memory as a managed ROS 2 node (see the module docstring). rclpy's
+    LifecycleNode, but with the transitions in their own callback group: a configure that loads
+    a model for minutes must not hold up the parameter services."""
 
     def __init__(self, **kwargs: Any) -> None:
-        self.session: Session | None = None  # first: destroy_node must work if we raise
-        self.stopping = threading.Event()
-        super().__init__("deltas_memory", **kwargs)
+        self.session: Session | None = None  # None while unconfigured
+        self.camera: CameraSubscription | None = None  # while active
+        self.poses: PoseInput | None = None  # while active, with pose_topic
+        self.stopping, self.configuring = threading.Event(), threading.Event()
+        self.failure = ""  # why the last transition failed (autostart: exit code 1)
+        Node.__init__(self, "deltas_memory", **kwargs)
+        LifecycleNodeMixin.__init__(self, callback_group=MutuallyExclusiveCallbackGroup())
         self.values = params.resolved(declare_parameters(self))
-        if problem := params.validate(self.values):
-            raise ValueError(problem)
-        p = self.values
-        if not (Path(p["model_path"]) / "config.json").is_file():
-            raise FileNotFoundError(f"no model at {p['model_path']}: config.json is missing")
-        files = MemoryFiles(p["memory_dir"], p["memory_file"])
-        self.session = Session(p, files, read_key(p["memory_key_file"]))
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self.drift_pub = self.create_publisher(DriftScore, "~/drift", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        service_qos = QoSProfile(depth=SERVICE_QUEUE, reliability=ReliabilityPolicy.RELIABLE,
-                                 durability=DurabilityPolicy.VOLATILE)
-        questions, memory_ops = BoundedCallbackGroup(QUESTION_SLOTS), \
-            MutuallyExclusiveCallbackGroup()
-        for srv_type, name, callback, group in (
-            (AskMemory, "~/ask_memory", self._ask, questions),
-            (Trigger, "~/reset_memory", self._reset, memory_ops),
-            (MemoryFile, "~/save_memory", self._save, memory_ops),
-            (MemoryFile, "~/load_memory", self._load, memory_ops),
-        ):
-            self.create_service(srv_type, name, callback, qos_profile=service_qos,
-                                callback_group=group)
+        self.memory_image = MemoryImageTopic(self, self.values["memory_image_thumbnails"])
+        self.memory_services = MemoryServices(self)
+        self.ask_action = AskActionServer(self)
         # Steady time: health must be reported even when a replayed /clock stops.
         self.create_timer(1.0, self._on_timer, callback_group=MutuallyExclusiveCallbackGroup(),
                           clock=Clock(clock_type=ClockType.STEADY_TIME))
-        self.camera = CameraSubscription(
-            self, CompressedImage if p["compressed"] else Image,
-            camera_topic(self, p["compressed"], p["image_topic"]),
-            self._on_frame, p["reliable_qos"], FRAME_HISTORY)
-        self.poses = PoseInput(self, p["pose_topic"], p["pose_type"], p["pose_max_gap_s"]) \
-            if p["pose_topic"] else None
-        self.memory_image = MemoryImageTopic(self, p["memory_image_thumbnails"])
-        self.ask_action = AskActionServer(self, self.session, lambda: self.values)
-        self.loader = threading.Thread(target=self._load_model, name="deltas_memory_loader",
+        self.loader = threading.Thread(target=self._autostart, name="deltas_memory_autostart",
                                        daemon=True)
-        self.loader.start()
+        if self.values["autostart"]:
+            self.loader.start()
 
-    def _load_model(self) -> None:
-        """Load in the background so services answer "not ready" instead of not existing."""
-        p, session = self.values, self.session
-        try:
-            loaded = load_model(p["model_path"], p["device"], p["dtype"])
-            memory = StreamingMemory(loaded, params.memory_config(p))
-        except Exception as error:  # any failure to load is fatal, with its reason
-            session.failed(f"cannot load the model from {p['model_path']}: {error}")
-            self.get_logger().fatal(session.load_error)
+    def _autostart(self) -> None:
+        """Configure and activate as a lifecycle manager would, in the background, so that the
+        services answer "not ready" while the model loads. A refusal stops the node: nobody
+        else would drive it."""
+        if self.trigger_configure() == SUCCESS and not self.stopping.is_set():
+            self.trigger_activate()
+        if self.failure and not self.stopping.is_set():
             rclpy.try_shutdown(context=self.context)
-            return
-        if p["load_on_start"] and session.files.default.exists():
-            try:  # before the worker exists: nothing else touches the memory yet
-                session.load(memory, session.files.default)
-            except (ValueError, OSError) as error:
-                self.get_logger().error(f"load_on_start: {error}; starting with an empty memory")
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Validate the parameters, load the model, open the memory; FAILURE with the reason
+        (back to unconfigured) if any of it is wrong."""
+        self.failure = ""
+        try:
+            session = Session.configure(self.values)
+        except (ValueError, OSError) as error:
+            return self._failed(f"cannot start: {error}")
+        self.configuring.set()
+        self.session = session  # not ready yet: the services answer "not ready"
+        try:
+            memory, problem = session.open_memory()
+        except RuntimeError as error:
+            self.session = None
+            return self._failed(str(error))
+        finally:
+            self.configuring.clear()
+        if problem:
+            self.get_logger().error(problem)
         if self.stopping.is_set():
-            return
-        session.attach(memory, self._on_chunk_done, self.poses.at if self.poses else None)
+            return FAILURE
+        session.attach(memory, self._on_chunk_done, self._pose_at)
+        loaded = memory.loaded
         self.get_logger().info(
-            f"ready: {loaded.path} on {loaded.device} ({str(loaded.dtype)[6:]}, gated delta "
-            f"kernels: {'fla' if loaded.fla_kernels else 'torch'}), budget "
+            f"configured: {loaded.path} on {loaded.device} ({str(loaded.dtype)[6:]}, gated "
+            f"delta kernels: {'fla' if loaded.fla_kernels else 'torch'}), budget "
             f"{memory.config.budget_tokens} tokens, policy {memory.config.policy}, memory files "
             f"in {session.files.root}")
+        return SUCCESS
 
-    # ----------------------------------------------------------------------------- parameters
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Subscribe to the camera (and the poses); serve questions."""
+        p = self.values
+        try:
+            self.camera = CameraSubscription(
+                self, CompressedImage if p["compressed"] else Image,
+                camera_topic(self, p["compressed"], p["image_topic"]), self._on_frame,
+                p["reliable_qos"], FRAME_HISTORY)
+        except ValueError as error:  # a bad QoS override parameter
+            return self._failed(f"cannot activate: {error}")
+        if p["pose_topic"]:
+            self.poses = PoseInput(self, p["pose_topic"], p["pose_type"], p["pose_max_gap_s"])
+        self.session.active = True
+        self.get_logger().info("active: taking camera frames and questions")
+        return SUCCESS
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Stop intake and questions; the memory, its stream clock and waiting chunks stay."""
+        self._stop_intake()
+        self.get_logger().info("inactive: camera unsubscribed, memory kept")
+        return SUCCESS
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._free("cleanup")
+        return SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._shut_down()
+        return SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """A transition raised: drop everything and go back to unconfigured."""
+        self.failure = self.failure or f"a lifecycle transition from {state.label} raised"
+        self.get_logger().error(self.failure)
+        self._stop_intake()
+        self._free("error")
+        return SUCCESS
+
+    def _stop_intake(self) -> None:
+        if self.session is not None:
+            self.session.active = False
+        for entity in (self.camera, self.poses):
+            if entity is not None:
+                entity.close()
+        self.camera = self.poses = None
+
+    def _log(self):
+        """The node's logger; once a signal has shut the context down, a logger of no node,
+        which writes to the console only (the node's would fail to publish to /rosout)."""
+        if self.context.ok():
+            return self.get_logger()
+        return rclpy.logging.get_logger(f"{self.get_logger().name}.shutdown")
+
+    def _failed(self, reason: str) -> TransitionCallbackReturn:
+        self.failure = reason
+        self.get_logger().fatal(reason)
+        return FAILURE
+
+    def _free(self, why: str) -> bool:
+        """Stop the worker and free the model and the memory; whether the worker ended."""
+        session, self.session = self.session, None
+        if session is None:
+            return True
+        ended, freed = session.close(SHUTDOWN_S)
+        self._log().info(f"{why}: the model and the memory are freed ({freed})")
+        return ended
+
+    def _shut_down(self) -> bool:
+        """The shutdown transition's work, also on SIGINT/SIGTERM: the autosave when it is set
+        (waiting at most SHUTDOWN_S for the worker), then free; whether our threads ended."""
+        self.stopping.set()
+        self._stop_intake()  # shutdown may come from active
+        session = self.session
+        if session is not None and session.ready and self.values["autosave_chunks"]:
+            try:
+                session.worker.call(session.autosave, SHUTDOWN_S, "autosave")
+                self._log().info(f"autosaved to {session.files.default}")
+            except (RuntimeError, TimeoutError, ValueError, OSError) as error:
+                self._log().error(f"autosave at shutdown failed: {error}")
+        ended = self._free("shutdown")
+        return ended and not self.configuring.is_set() and not self.loader.is_alive()
+
+    # ----------------------------------------------------------------------------- wiring
     def _on_set_parameters(self, changes) -> SetParametersResult:
         proposed = dict(self.values) | {c.name: c.value for c in changes}
         if problem := params.validate(proposed):
             return SetParametersResult(successful=False, reason=problem)
-        self.values = self.session.values = proposed
+        self.values = proposed
+        if self.session is not None:
+            self.session.values = proposed
         return SetParametersResult(successful=True)
 
-    # ----------------------------------------------------------------------------- camera
     def _on_frame(self, raw: bytes) -> None:
         """Every camera frame, serialized: its stamp is read from the bytes and only a sampled
         frame is deserialized and decoded. Nothing in a frame may stop the executor: anything
         unexpected is logged and counted."""
+        session = self.session
         try:
-            stamp, frame_id = raw_stamp(raw), raw_header(raw)[2]
-            outcome, dropped = self.session.take_frame(
-                stamp, lambda: decode_message(deserialize_message(raw, self.camera.msg_type)),
-                frame_id)
+            outcome, dropped = session.take_frame(
+                raw_stamp(raw),
+                lambda: decode_message(deserialize_message(raw, self.camera.msg_type)),
+                raw_header(raw)[2])
         except Exception as error:  # a defect must not take the node down with it
-            self.session.note_callback_error()
+            session.note_callback_error()
             self.get_logger().error(f"camera callback failed: {type(error).__name__}: {error}",
                                     throttle_duration_sec=5.0)
             return
-        log = self.get_logger()
-        if outcome.event is TimeEvent.JUMP_BACK:
-            log.warning("camera stamps jumped back (a looped bag or a reset clock): starting a "
-                        "new stream, the memory is reset")
-        elif outcome.event is TimeEvent.GAP:
-            log.warning(f"no frames for more than {self.values['max_gap_s']:.1f} s of stamp "
-                        "time: new segment, memory kept")
-        if outcome.error:
-            log.warning(f"dropped a camera frame: {outcome.error}", throttle_duration_sec=5.0)
-        if dropped:
-            log.warning("the model is slower than the stream: dropped the oldest waiting "
-                        "chunk(s)", throttle_duration_sec=5.0)
+        log_frame_outcome(self.get_logger(), outcome, dropped, self.values["max_gap_s"])
+
+    def _pose_at(self, stamp: float):
+        poses = self.poses
+        return poses.at(stamp) if poses is not None else None
 
     def _on_chunk_done(self, chunk, result) -> None:
-        """Worker thread: record the chunk, then publish its drift."""
-        self.session.chunk_done(chunk, result)
-        msg = drift_message(chunk, result, self.session.frame_id)
+        """Worker thread: record the chunk, then publish its drift and the memory image."""
+        session = self.session
+        session.chunk_done(chunk, result)
+        msg = drift_message(chunk, result, session.frame_id)
         msg.pose = pose_stamped(result.pose, result.stamp)
         self.drift_pub.publish(msg)  # after Ctrl-C this raises; the worker counts it and goes on
-        held = self.session.memory.slots.retained_chunks()
+        held = session.memory.slots.retained_chunks()
         self.memory_image.chunk_done(result, chunk.frames[-1], held, msg.header.frame_id)
 
-    # ----------------------------------------------------------------------------- services
-    def _ask(self, request: AskMemory.Request, response: AskMemory.Response):
-        start, session = time.perf_counter(), self.session
-        response.error = session.question_refusal(request.question, request.max_new_tokens)
-        if not response.error:
-            try:
-                answer = session.worker.ask(
-                    request.question, request.max_new_tokens or self.values["max_new_tokens"],
-                    self.values["ask_timeout_s"], **window(request.since, request.until))
-            except (RuntimeError, TimeoutError) as error:
-                response.error = str(error)
-            else:
-                response.success = True
-                fill_answer(response, answer)
-        response.message = response.error  # `error` is the deprecated name of `message`
-        response.latency_ms = (time.perf_counter() - start) * 1e3
-        if not response.success:
-            self.get_logger().warning(f"question refused: {response.error}")
-        return response
-
-    def _operation(self, name: str, function) -> tuple[Any, str]:
-        """Run a Session operation on the worker: (its OpResult or None, the error)."""
-        if not self.session.ready:
-            return None, NOT_READY
-        try:
-            return self.session.worker.call(function, self.values["ask_timeout_s"], name), ""
-        except (RuntimeError, TimeoutError) as error:
-            return None, str(error)
-
-    def _reset(self, _request: Trigger.Request, response: Trigger.Response):
-        result, response.message = self._operation("reset", self.session.reset)
-        if result is not None:
-            response.success = True
-            response.message = f"memory reset ({result.discarded} waiting chunks discarded)"
-        return response
-
-    def _save(self, request: MemoryFile.Request, response: MemoryFile.Response):
-        return self._file_service("save", request, response)
-
-    def _load(self, request: MemoryFile.Request, response: MemoryFile.Response):
-        return self._file_service("load", request, response)
-
-    def _file_service(self, verb: str, request, response):
-        session = self.session
-        try:
-            path = session.files.resolve(request.path)
-        except MemoryPathError as error:
-            session.refuse_request()
-            response.path, response.message = request.path[:1000], str(error)
-        else:
-            action = session.save if verb == "save" else session.load
-            response.path = str(path)
-            result, response.message = self._operation(verb, lambda m: action(m, path))
-            if result is not None:
-                response.success, response.chunks = True, result.chunks
-                response.message = f"{verb}ed {result.chunks} chunks ({result.kv_tokens} KV " \
-                    f"tokens; {result.discarded} waiting chunks discarded)"
-        self.get_logger().info(f"{verb} {response.path}: {response.message}")
-        return response
-
-    # ----------------------------------------------------------------------------- health
     def _on_timer(self) -> None:
-        level, message, values = self.session.health()
-        device = str(self.session.memory.device) if self.session.ready else self.values["device"]
+        session = self.session
+        if session is None:
+            level, message, values = Level.WARN, "unconfigured (lifecycle)", {}
+        else:
+            level, message, values = session.health()
+        lifecycle = "unconfigured" if session is None else "configuring" if not session.ready \
+            else "active" if session.active else "inactive"
+        device = str(session.memory.device) if session and session.ready \
+            else self.values["device"]
         self.diag_pub.publish(diagnostics_message(
             self.get_clock().now().to_msg(), f"{self.get_name()}: video memory", level, message,
-            device, values))
-        self.camera.follow(self.values["silence_warn_s"],
-                           max(self.session.last_frame_wall, self.session.started_wall))
+            device, {"lifecycle": lifecycle, **values}))
+        if self.camera is not None:
+            self.camera.follow(self.values["silence_warn_s"],
+                               max(session.last_frame_wall, session.started_wall))
 
     def stop(self) -> bool:
-        """Fail waiting requests, give the model SHUTDOWN_S to finish its item; whether every
-        thread of ours has ended."""
-        self.stopping.set()
-        worker = self.session.worker if self.session else None
-        ended = worker.stop(SHUTDOWN_S) if worker is not None else True
-        return ended and not (hasattr(self, "loader") and self.loader.is_alive())
+        """SIGINT/SIGTERM: as the shutdown transition; whether every thread of ours ended."""
+        return self._shut_down()
 
     def destroy_node(self) -> None:
         self.stop()
         super().destroy_node()
-
-
-def main(args: list[str] | None = None) -> int:
-    rclpy.init(args=args)
-    # Before the node: a signal during start-up shuts the context down, after which no executor
-    # can be made (it once failed with "the given context is not valid").
-    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
-    try:
-        node = MemoryNode()
-    except KeyboardInterrupt:  # Ctrl-C before the node was up (and before its threads)
-        return _close(executor, 0)
-    except (ValueError, OSError, RuntimeError) as error:  # RCLError is a RuntimeError
-        if not rclpy.ok():  # SIGTERM while constructing: the context is gone, not an error
-            return _close(executor, 0)
-        rclpy.logging.get_logger("deltas_memory").fatal(f"cannot start: {error}")
-        return _close(executor, 1)
-    try:
-        executor.add_node(node)
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    except RuntimeError:  # RCLError: a signal shut the context down inside rclpy's wait
-        if rclpy.ok():
-            raise
-    finally:
-        ended = node.stop()  # first: service callbacks waiting for the worker return now
-        executor.shutdown(timeout_sec=SHUTDOWN_S)
-        node.destroy_node()
-        rclpy.try_shutdown()
-    code = 1 if node.session.state is State.FAILED else 0
-    if not ended:
-        # The model is still loading or answering inside torch: leaving the interpreter with
-        # that thread running aborts in C++ ("terminate called without an active exception").
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
-
-
-def _close(executor: MultiThreadedExecutor, code: int) -> int:
-    """Leave before a node existed: the executor and the context, nothing else."""
-    executor.shutdown(timeout_sec=0.0)
-    rclpy.try_shutdown()
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

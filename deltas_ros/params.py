@@ -51,6 +51,9 @@ PARAMS: tuple[Param, ...] = (
     Param("model_path", "",
           "Local directory of a Qwen3.5 model (never fetched from a hub); empty: the shipped "
           "scene model"),
+    Param("autostart", True,
+          "Walk the lifecycle to active at start-up (configure: load the model; activate: "
+          "subscribe); false: stay unconfigured until a lifecycle manager drives it"),
     Param("device", "auto", "auto (CUDA if available), cpu, cuda or cuda:N"),
     Param("dtype", "auto", "auto (bf16 on CUDA, float32 on CPU), float32, bfloat16, float16",
           choices=DTYPES),

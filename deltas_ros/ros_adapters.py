@@ -24,7 +24,7 @@ from rclpy.qos_overriding_options import QoSOverridingOptions
 from std_msgs.msg import Header
 
 from . import params
-from .frames import SampledChunk
+from .frames import GateOutcome, SampledChunk, TimeEvent
 from .memory import ChunkResult
 from .msg import DriftScore
 
@@ -92,6 +92,22 @@ def drift_message(chunk: SampledChunk, result: ChunkResult, frame_id: str) -> Dr
     return msg
 
 
+def log_frame_outcome(logger, outcome: GateOutcome, dropped: int, max_gap_s: float) -> None:
+    """What the camera callback says about one frame: a time jump taken, a frame dropped,
+    chunks dropped for the model being slower than the stream (the last two throttled)."""
+    if outcome.event is TimeEvent.JUMP_BACK:
+        logger.warning("camera stamps jumped back (a looped bag or a reset clock): starting a "
+                       "new stream, the memory is reset")
+    elif outcome.event is TimeEvent.GAP:
+        logger.warning(f"no frames for more than {max_gap_s:.1f} s of stamp time: new segment, "
+                       "memory kept")
+    if outcome.error:
+        logger.warning(f"dropped a camera frame: {outcome.error}", throttle_duration_sec=5.0)
+    if dropped:
+        logger.warning("the model is slower than the stream: dropped the oldest waiting "
+                       "chunk(s)", throttle_duration_sec=5.0)
+
+
 def diagnostics_message(stamp: Time, name: str, level: int, message: str, hardware_id: str,
                         values: dict[str, Any]) -> DiagnosticArray:
     status = DiagnosticStatus(level=bytes([level]), name=name, message=message,
@@ -125,7 +141,8 @@ def reliability_override(node: Node, topic: str) -> str | None:
     descriptor = ParameterDescriptor(
         read_only=True, description="reliable or best_effort (empty: follow the camera's "
         "publisher; reliable_qos:=true is an alias of reliable)")
-    value = node.declare_parameter(name, "", descriptor).value
+    value = (node.get_parameter(name) if node.has_parameter(name)  # activated before
+             else node.declare_parameter(name, "", descriptor)).value
     if value not in ("", "reliable", "best_effort"):
         raise ValueError(f"{name} must be reliable or best_effort, got {value!r}")
     return value or None
@@ -178,6 +195,10 @@ class CameraSubscription:
         self.since = time.monotonic()
         self.node.get_logger().info(f"listening to {self.topic} ({self.msg_type.__name__}, "
                                     f"{'reliable' if reliable else 'best effort'} QoS)")
+
+    def close(self) -> None:
+        """Unsubscribe (lifecycle deactivate)."""
+        self.node.destroy_subscription(self.subscription)
 
     def follow(self, silence_warn_s: float, last_frame: float) -> None:
         """Resubscribe to match the publishers; log once when matched but silent."""

@@ -69,7 +69,8 @@ class PoseInput:
         self.node, self.lock = node, threading.Lock()
         self.buffer = PoseBuffer(POSE_HISTORY, max_gap_s)
         self.bad = 0
-        node.create_subscription(POSE_TYPES[kind], topic, self._on_pose, POSE_QUEUE)
+        self.subscription = node.create_subscription(POSE_TYPES[kind], topic, self._on_pose,
+                                                     POSE_QUEUE)
         node.get_logger().info(f"poses from {node.resolve_topic_name(topic)} "
                                f"({POSE_TYPES[kind].__name__})")
 
@@ -85,6 +86,10 @@ class PoseInput:
     def at(self, stamp: float) -> Pose | None:
         with self.lock:
             return self.buffer.at(stamp)
+
+    def close(self) -> None:
+        """Unsubscribe (lifecycle deactivate)."""
+        self.node.destroy_subscription(self.subscription)
 
 
 class MemoryImageTopic:

@@ -16,7 +16,9 @@ or a load ends the stream the waiting chunks belong to: they are discarded and c
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import gc
 import math
 import statistics
 import threading
@@ -28,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from .frames import FrameGate, FrameSampler, GateOutcome, SampledChunk, TimeEvent
 from .memory import ChunkResult, MemoryStats, StreamingMemory, question_problem
-from .memory_files import MemoryFiles, read_metadata
-from .params import BY_NAME
+from .memory_files import MemoryFiles, read_key, read_metadata
+from .model import load_model
+from .params import BY_NAME, memory_config, validate
 from .persist import load_memory, save_memory
 from .poses import Pose
 from .worker import MemoryWorker
@@ -41,6 +45,8 @@ ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or 
 LATENCY_WINDOW = 30  # chunks in the latency median
 FRAME_ID_MAX = 256  # characters of a camera frame_id copied into reports
 NOT_READY = "not ready: the model is still loading"
+NOT_CONFIGURED = "not configured: the node is unconfigured (lifecycle); configure it first"
+NOT_ACTIVE = "not active: the node is inactive (lifecycle); activate it to ask"
 MAX_STREAM_INDEX = 2**31 - 1
 
 
@@ -50,12 +56,6 @@ class Level(enum.IntEnum):
     OK = 0
     WARN = 1
     ERROR = 2
-
-
-class State(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,30 @@ def continue_clock(record: StreamRecord, live_stamp: float | None, live_index: i
     return live_stamp - saved_span - 1.0 / fps, live_stamp, record.next_chunk_index
 
 
+def memory_in_use() -> dict[str, int]:
+    """Bytes this process holds: `rss` (Linux), and `cuda_allocated` once CUDA is in use."""
+    use = {}
+    status = Path("/proc/self/status")
+    if status.exists():
+        rss = [line for line in status.read_text().splitlines() if line.startswith("VmRSS:")]
+        use["rss"] = int(rss[0].split()[1]) * 1024 if rss else 0
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        use["cuda_allocated"] = torch.cuda.memory_allocated()
+    return use
+
+
+def release_memory() -> None:
+    """Give what nothing refers to any more back to the system: collect cycles, empty torch's
+    CUDA cache, and trim glibc's heap (freed small blocks otherwise stay in the process)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 @dataclass(frozen=True)
 class OpResult:
     """What a whole-memory operation left, computed on the worker."""
@@ -140,8 +164,8 @@ class Session:
         self.gate = FrameGate(self.sampler)
         self.frame_lock = threading.Lock()  # the sampler: camera thread and worker operations
         self.counter_lock = threading.Lock()
-        self.state = State.LOADING
-        self.load_error = ""
+        self.ready = False  # the model is loaded and the worker runs
+        self.active = False  # lifecycle: camera intake and questions (node.py sets it)
         self.memory: StreamingMemory | None = None
         self.worker: MemoryWorker | None = None
         self.stats: MemoryStats | None = None  # refreshed on the worker
@@ -161,6 +185,37 @@ class Session:
         self._at_last_report = {"frames": 0, "drops": 0, "bad": 0}
 
     # ----------------------------------------------------------------------------- readiness
+    @classmethod
+    def configure(cls, values: dict[str, Any]) -> Session:
+        """The session for the node's parameter `values` (lifecycle configure); ValueError or
+        OSError with a reason a user can act on: a bad value, no model, an unusable memory_dir
+        or key file."""
+        if problem := validate(values):
+            raise ValueError(problem)
+        if not (Path(values["model_path"]) / "config.json").is_file():
+            raise FileNotFoundError(f"no model at {values['model_path']}: config.json is missing")
+        return cls(values, MemoryFiles(values["memory_dir"], values["memory_file"]),
+                   read_key(values["memory_key_file"]))
+
+    def open_memory(self) -> tuple[StreamingMemory, str]:
+        """Load the model and open its memory, continuing memory_file with load_on_start:
+        (the memory, a load_on_start problem or ""). RuntimeError with the reason if the model
+        does not load. Before `attach`: nothing else touches the memory yet."""
+        p = self.values
+        try:
+            memory = StreamingMemory(load_model(p["model_path"], p["device"], p["dtype"]),
+                                     memory_config(p))
+        except Exception as error:  # any failure to load, with its reason
+            raise RuntimeError(f"cannot load the model from {p['model_path']}: {error}") \
+                from error
+        problem = ""
+        if p["load_on_start"] and self.files.default.exists():
+            try:
+                self.load(memory, self.files.default)
+            except (ValueError, OSError) as error:
+                problem = f"load_on_start: {error}; starting with an empty memory"
+        return memory, problem
+
     def attach(self, memory: StreamingMemory, on_chunk: Callable[[SampledChunk, ChunkResult],
                                                                  None],
                pose_at: Callable[[float], Pose | None] | None = None) -> MemoryWorker:
@@ -169,15 +224,20 @@ class Session:
         self.memory, self.stats = memory, memory.stats()
         self.worker = MemoryWorker(memory, on_chunk, self.values["queue_chunks"],
                                    pose_at=pose_at)
-        self.state = State.READY
+        self.ready = True
         return self.worker
 
-    def failed(self, reason: str) -> None:
-        self.load_error, self.state = reason, State.FAILED
-
-    @property
-    def ready(self) -> bool:
-        return self.state is State.READY
+    def close(self, timeout_s: float) -> tuple[bool, str]:
+        """Stop the worker and free the memory and the model (lifecycle cleanup and shutdown):
+        (whether the worker ended within timeout_s, what was freed, measured)."""
+        before = memory_in_use()
+        ended = self.worker.stop(timeout_s) if self.worker is not None else True
+        self.worker = self.memory = self.last_result = None
+        self.ready = False
+        release_memory()
+        after = memory_in_use()
+        return ended, ", ".join(f"{key} {before[key] / 2**20:.0f} -> {after[key] / 2**20:.0f} MiB"
+                                for key in before if key in after)
 
     # ----------------------------------------------------------------------------- camera
     def take_frame(self, stamp: float, decode: Callable[[], np.ndarray],
@@ -215,7 +275,7 @@ class Session:
         every = self.values["autosave_chunks"]
         if every and (chunk.index + 1) % every == 0:
             # Queued, not done here: a large save must not hold up this chunk's report.
-            self.worker.post(self._autosave, "autosave", coalesce=True)
+            self.worker.post(self.autosave, "autosave", coalesce=True)
 
     def reset(self, memory: StreamingMemory) -> OpResult:
         """Worker thread: forget everything; the waiting chunks of the old stream are discarded
@@ -261,7 +321,8 @@ class Session:
         self.resets += 1
         self._done(memory, record=None)
 
-    def _autosave(self, memory: StreamingMemory) -> None:
+    def autosave(self, memory: StreamingMemory) -> None:
+        """Worker thread: save to the default file (every autosave_chunks, and at shutdown)."""
         self.save(memory, self.files.default)
         self.autosaves += 1
 
@@ -275,6 +336,7 @@ class Session:
         """Why a question is refused before it costs model time ("" = accepted); counted."""
         limit = int(BY_NAME["max_new_tokens"].high)
         problem = "" if self.ready else NOT_READY
+        problem = problem or ("" if self.active else NOT_ACTIVE)
         problem = problem or question_problem(question, self.values["max_question_chars"],
                                               wire=True)
         if not problem and max_new_tokens > limit:
@@ -310,6 +372,8 @@ class Session:
         level, message = Level.OK, "ok"
         if counters.last_error and now - counters.last_error_time < ERROR_HOLD_S:
             level, message = Level.ERROR, counters.last_error
+        elif not self.active:
+            level, message = Level.WARN, "inactive: camera intake stopped, memory kept"
         elif silent_s > self.values["silence_warn_s"]:
             level, message = Level.WARN, f"no camera frames for {silent_s:.0f} s"
         elif queue_depth >= self.values["queue_chunks"] or new_drops:

@@ -1,8 +1,9 @@
-"""Start the DeltaS video memory node with config/deltas.yaml.
+"""Start the DeltaS video memory node (a managed node) with config/deltas.yaml.
 
     ros2 launch deltas_ros deltas.launch.py model_path:=/models/qwen3.5-9b \
         image_topic:=/camera/color/image_raw
     ros2 launch deltas_ros deltas.launch.py     # the shipped scene model, /camera/image_raw
+    ros2 launch deltas_ros deltas.launch.py autostart:=false   # for a lifecycle manager
 """
 
 import os
@@ -10,7 +11,7 @@ import os
 from ament_index_python.packages import get_package_share_directory
 from launch.actions import DeclareLaunchArgument
 from launch.substitutions import LaunchConfiguration
-from launch_ros.actions import Node
+from launch_ros.actions import LifecycleNode
 from launch_ros.parameter_descriptions import ParameterValue
 
 from launch import LaunchDescription
@@ -30,8 +31,11 @@ def generate_launch_description() -> LaunchDescription:
         DeclareLaunchArgument("namespace", default_value="", description="Node namespace"),
         DeclareLaunchArgument("use_sim_time", default_value="false",
                               description="Follow /clock (bag replay)"),
+        DeclareLaunchArgument("autostart", default_value="true",
+                              description="Configure and activate by itself (false: wait for "
+                                          "a lifecycle manager)"),
     ]
-    node = Node(
+    node = LifecycleNode(
         package="deltas_ros",
         executable="memory_node",
         name="deltas_memory",
@@ -45,6 +49,7 @@ def generate_launch_description() -> LaunchDescription:
                 "image_topic": LaunchConfiguration("image_topic"),
                 "use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"),
                                                value_type=bool),
+                "autostart": ParameterValue(LaunchConfiguration("autostart"), value_type=bool),
             },
         ],
     )

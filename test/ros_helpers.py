@@ -20,6 +20,8 @@ import rclpy
 from deltas_ros.msg import DriftScore
 from deltas_ros.srv import AskMemory
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from lifecycle_msgs.msg import Transition
+from lifecycle_msgs.srv import ChangeState, GetState
 from rcl_interfaces.srv import SetParameters
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
@@ -83,6 +85,9 @@ class Tester:
         self.reset_client = self.node.create_client(Trigger, f"{namespace}/reset_memory")
         self.params_client = self.node.create_client(SetParameters,
                                                      f"{namespace}/set_parameters")
+        self.change_state_client = self.node.create_client(ChangeState,
+                                                           f"{namespace}/change_state")
+        self.get_state_client = self.node.create_client(GetState, f"{namespace}/get_state")
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self.thread = threading.Thread(target=self._spin, daemon=True)
@@ -133,6 +138,16 @@ class Tester:
         return self.call(self.ask_client,
                          AskMemory.Request(question=question, max_new_tokens=max_new_tokens),
                          timeout)
+
+    def transition(self, label: str, timeout: float = 120.0) -> bool:
+        """Drive the node's lifecycle as a manager does (lifecycle_msgs ChangeState by label:
+        configure, activate, deactivate, cleanup, shutdown); whether it succeeded."""
+        request = ChangeState.Request(transition=Transition(label=label))
+        return self.call(self.change_state_client, request, timeout).success
+
+    def lifecycle_state(self) -> str:
+        """The node's lifecycle state label (lifecycle_msgs GetState)."""
+        return self.call(self.get_state_client, GetState.Request()).current_state.label
 
     def reset(self) -> None:
         assert self.call(self.reset_client, Trigger.Request()).success

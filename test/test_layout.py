@@ -12,10 +12,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "deltas_ros"
 # The ROS side: rclpy and generated interfaces allowed.
-ROS_SIDE = {"node", "ros_adapters", "ask_action", "ros_memory", "replay", "ask_client"}
+ROS_SIDE = {"node", "memory_node", "ros_adapters", "ask_action", "memory_services", "ros_memory",
+            "replay", "ask_client"}
 # Tools: command line, generators, offline runs, plots, the tiny-model maker.
 TOOLS = {"cli", "synth", "bag", "offline", "plot", "maker", "train"}
-NODE = {"node", "ros_adapters", "ask_action", "ros_memory"}
+NODE = {"node", "memory_node", "ros_adapters", "ask_action", "memory_services", "ros_memory"}
 ROS_PACKAGES = ("rclpy", "rcl_interfaces", "builtin_interfaces", "std_msgs", "std_srvs",
                 "sensor_msgs", "diagnostic_msgs", "rosgraph_msgs", "geometry_msgs", "nav_msgs",
                 "lifecycle_msgs", "action_msgs")

@@ -22,7 +22,6 @@ from ros_helpers import SMALL, Tester
 from std_srvs.srv import Trigger
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-from deltas_ros import node as node_module
 from deltas_ros import session as session_module
 from deltas_ros.node import EXECUTOR_THREADS, NOT_READY, QUESTION_SLOTS, MemoryNode
 
@@ -65,7 +64,8 @@ def type_of(name: str) -> type:
 
 def wait_ready(tester: Tester, node: MemoryNode) -> None:
     """The model is loaded and the camera matched: frames sent before that would be lost."""
-    wait_until(lambda: node.session.ready and tester.camera.get_subscription_count() > 0)
+    wait_until(lambda: node.session is not None and node.session.active
+               and tester.camera.get_subscription_count() > 0)
 
 
 def statuses(tester: Tester) -> list[tuple[int, str]]:
@@ -82,13 +82,13 @@ def wait_until(predicate, timeout_s: float = 60.0) -> None:
 
 def test_services_answer_not_ready_while_the_model_loads(tiny_model_dir, ros_env, monkeypatch):
     release = threading.Event()
-    real_load = node_module.load_model
+    real_load = session_module.load_model
 
     def slow_load(*args, **kwargs):
         release.wait(60)  # a 9B model takes a while to load
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(node_module, "load_model", slow_load)
+    monkeypatch.setattr(session_module, "load_model", slow_load)
     tester = Tester()
     try:
         with node_in_process(tiny_model_dir):

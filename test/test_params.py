@@ -39,13 +39,14 @@ def test_launch_file_declares_the_documented_arguments():
         node.args[0].value for node in ast.walk(launch_source())
         if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "DeclareLaunchArgument"
     }
-    assert declared == {"model_path", "image_topic", "params_file", "namespace", "use_sim_time"}
+    assert declared == {"model_path", "image_topic", "params_file", "namespace", "use_sim_time",
+                        "autostart"}
 
 
 def test_launch_file_overrides_only_real_parameters():
     tree = launch_source()
     node_call = next(n for n in ast.walk(tree)
-                     if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Node")
+                     if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LifecycleNode")
     kwargs = {k.arg: k.value for k in node_call.keywords}
     assert kwargs["executable"].value == "memory_node" and kwargs["package"].value == "deltas_ros"
     overrides = next(e for e in kwargs["parameters"].elts if isinstance(e, ast.Dict))

@@ -130,13 +130,15 @@ def test_loading_continues_the_clock_and_never_jumps_back():
 def test_questions_are_refused_before_the_worker_and_counted_apart(tmp_path):
     session = Session(VALUES, MemoryFiles(tmp_path))
     assert session.question_refusal("hello", 0) == NOT_READY
-    session.state = session_module.State.READY
+    session.ready = True
+    assert "not active" in session.question_refusal("hello", 0)
+    session.active = True
     assert "empty" in session.question_refusal("  ", 0)
     assert "limit" in session.question_refusal("x" * 3000, 0)
     assert "limit 4096" in session.question_refusal("hello", 2**32 - 1)
     assert "limit 4096" in session.question_refusal("hello", 65535)
     assert session.question_refusal("hello", 4096) == ""
-    assert session.questions_refused == 5
+    assert session.questions_refused == 6
 
 
 def test_chunks_before_ready_are_counted_and_frame_ids_are_bounded(tmp_path):

@@ -1,0 +1,108 @@
+"""The managed node (issue 11 #1), driven from this process through the standard lifecycle_msgs
+services as a lifecycle manager drives it: every transition; questions and camera only while
+active; the memory and its stream kept across deactivate/activate; the model and the memory
+freed by cleanup (RSS of the node's process); the autosave at shutdown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ros_helpers import BASE_STAMP, Tester, indices, start, status_values, stop
+
+from deltas_ros.maker import make_model, tiny_config
+
+BIG_VOCAB = 300_000  # embedding + lm_head: 38 M parameters (154 MB) and almost no compute
+MODEL_BYTES = 2 * BIG_VOCAB * tiny_config().text_config.hidden_size * 4
+
+
+@pytest.fixture(scope="module")
+def big_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with a vocabulary large enough that freeing it shows in the RSS."""
+    config = tiny_config()
+    config.text_config.vocab_size = BIG_VOCAB
+    return make_model(tmp_path_factory.mktemp("models") / "big", config)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_every_transition_over_dds(big_model_dir, ros_env, tmp_path):
+    process = start(big_model_dir, ros_env, autostart="false", reliable_qos="true",
+                    memory_dir=str(tmp_path), autosave_chunks="1000")
+    tester = Tester()
+    try:
+        assert tester.lifecycle_state() == "unconfigured"
+        assert "not configured" in tester.ask("what do you see?").error
+        tester.wait_for_status(lambda s: status_values(s)["lifecycle"] == "unconfigured")
+        assert tester.camera.get_subscription_count() == 0
+
+        assert tester.transition("configure") and tester.lifecycle_state() == "inactive"
+        assert "not active" in tester.ask("what do you see?").error
+        assert tester.camera.get_subscription_count() == 0  # no intake while inactive
+
+        assert tester.transition("activate") and tester.lifecycle_state() == "active"
+        tester.wait_for(lambda: tester.camera.get_subscription_count() == 1)
+        tester.stream(3.0, speed=2.0)
+        tester.wait_for(lambda: len(tester.drift) == 3, timeout=60)
+        assert tester.ask("what do you see?").success
+
+        # Deactivate: no intake (frames sent now reach nobody), questions refused, memory kept.
+        assert tester.transition("deactivate") and tester.lifecycle_state() == "inactive"
+        tester.wait_for(lambda: tester.camera.get_subscription_count() == 0)
+        assert "not active" in tester.ask("what do you see?").error
+        assert tester.wait_for_status(lambda s: "inactive" in s.message)
+        tester.stream(1.0, speed=2.0, start=BASE_STAMP + 3.0)
+
+        # Activate again: the same stream goes on (indices and stream times after the gap).
+        assert tester.transition("activate")
+        tester.wait_for(lambda: tester.camera.get_subscription_count() == 1)
+        tester.stream(2.0, speed=2.0, start=BASE_STAMP + 4.0)
+        tester.wait_for(lambda: len(tester.drift) == 5, timeout=60)
+        assert indices(tester.drift) == [0, 1, 2, 3, 4]
+        assert all(m.stream_time >= 4.0 for m in tester.drift[3:])  # after the gap
+        answer = tester.ask("what do you see?")
+        assert answer.success and answer.memory_span_end >= 5.0
+
+        # Cleanup frees the model and the memory. (The weights are mapped from their file and
+        # come into the RSS as they are used: the answers above used the whole lm_head.)
+        assert tester.transition("deactivate")
+        rss_in_use = rss_bytes(process.pid)
+        assert tester.transition("cleanup") and tester.lifecycle_state() == "unconfigured"
+        freed = rss_in_use - rss_bytes(process.pid)
+        assert freed > 0.4 * MODEL_BYTES, (rss_in_use, freed)
+        assert "not configured" in tester.ask("what do you see?").error
+
+        # Configure again: a fresh memory; shutdown from active autosaves it.
+        assert tester.transition("configure") and tester.transition("activate")
+        tester.wait_for(lambda: tester.camera.get_subscription_count() == 1)
+        tester.stream(1.0, speed=2.0, start=BASE_STAMP + 100.0)
+        tester.wait_for(lambda: len(tester.drift) == 6, timeout=60)
+        assert tester.drift[-1].chunk_index == 0
+        assert tester.transition("shutdown") and tester.lifecycle_state() == "finalized"
+        assert (tmp_path / "memory.safetensors").is_file()
+        assert not tester.transition("configure")  # finalized is final
+    finally:
+        tester.close()
+        code, err = stop(process)
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert "cleanup: the model and the memory are freed" in err
+
+
+def test_autostart_false_and_a_refused_configure_stay_up(tmp_path, ros_env):
+    """Without autostart a bad model path fails the configure transition, with its reason, and
+    the node stays unconfigured for a manager to try again (autostart refuses to start)."""
+    process = start(tmp_path / "nothing-here", ros_env, autostart="false")
+    tester = Tester()
+    try:
+        assert tester.lifecycle_state() == "unconfigured"
+        assert not tester.transition("configure")
+        assert tester.lifecycle_state() == "unconfigured" and process.poll() is None
+    finally:
+        tester.close()
+        code, err = stop(process)
+    assert code == 0 and "no model at" in err, err[-3000:]
