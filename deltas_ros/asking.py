@@ -59,6 +59,33 @@ def decode(backend: Backend, hidden: torch.Tensor, position: int, limit: int,
     return generated, "limit"
 
 
+def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position: int,
+                    limit: int, stop_ids: set[int], deadline: float, evidence_count: int,
+                    allowed: torch.Tensor | None = None,
+                    on_token: Callable[[list[int]], None] | None = None,
+                    cancelled: Callable[[], bool] | None = None,
+                    ) -> tuple[list[int], list[int], str]:
+    """Prefill the question `ids` at `position` and decode it (see `decode`): (generated ids,
+    evidence chunks, why decoding stopped). Changes the backend's states and KV: the caller
+    rolls them back.
+
+    allowed (T,) bool: the slots the question may see (None: all); the others are left out of
+    the full-attention layers for this question only, and hold no evidence."""
+    kv_tokens = backend.kv_tokens
+    positions = torch.arange(position, position + len(ids)).expand(3, 1, -1)
+    visible = None if allowed is None else allowed.nonzero().squeeze(1)
+    with backend.visible_slots(visible):
+        seen = kv_tokens if visible is None else visible.numel()
+        with backend.attention_mass(seen) as mass:
+            hidden = backend.prefill_text(torch.tensor([ids]), positions)
+        if visible is not None:  # back to one entry per slot of the whole cache
+            mass = torch.zeros(kv_tokens).index_copy_(0, visible, mass)
+        evidence = evidence_chunks(slots, mass, evidence_count, allowed)
+        generated, stop = decode(backend, hidden, position + len(ids), limit, stop_ids,
+                                 deadline, on_token, cancelled)
+    return generated, evidence, stop
+
+
 def window_slots(slots: SlotTable, since: float | None, until: float | None) -> torch.Tensor:
     """(T,) bool: the slots a question over stream times [since, until] may attend to: the chat
     prefix and the slots of the held chunks whose stream time lies in the window (inclusive;

@@ -5,15 +5,14 @@
     memory.ask("What did the robot see on the table?")
 
 After every chunk (Algorithm 1): snapshot the Gated DeltaNet states, prefill the chunk, score it
-by state drift, and when the full-attention KV cache holds more than M tokens keep the sinks, the
-recent window and per temporal bucket the best-scored tokens. Kept tokens keep their positions
-(keys are cached rotated); near max_position_embeddings the retained slots are compacted to
-gap-free positions and their keys re-rotated (rope.py).
+by state drift, and while the KV cache holds more than M tokens keep the sinks, the recent window
+and per temporal bucket the best-scored tokens, at their positions (keys are cached rotated);
+near max_position_embeddings the slots are compacted to gap-free positions (rope.py).
 
 The stream lives inside one open user turn of the chat template. A question closes that turn,
-is answered greedily, and is then rolled back: the states are restored from a fixed-size
-snapshot and the KV cache is cut to its old length; a failed chunk is rolled back the same way.
-This class only orchestrates: the model is reached through `backend`, per-slot bookkeeping is
+is answered greedily and rolled back: the states are restored from a fixed-size snapshot and
+the KV cache is cut to its old length; a failed chunk is rolled back the same way. This class
+only orchestrates: the model is reached through `backend`, per-slot bookkeeping is
 `slots.SlotTable`, the choice `policy`, questions `asking`, loaded states `state_check`.
 """
 
@@ -23,12 +22,13 @@ import math
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from .asking import accept_question, decode, evidence_chunks, window_slots
+from .asking import accept_question, answer_question, window_slots
 from .backend import Backend, StateSnapshot
 from .chunks import Chunk, ChunkBuilder
 from .memory_config import (
@@ -43,7 +43,6 @@ from .model import LoadedModel
 from .policy import ChunkSignals, make_policy, select_keep
 from .poses import Pose
 from .prompt import ChatLayout
-from .rope import compacted_positions
 from .slots import PREFIX_CHUNK, SlotTable, fill_plan
 from .state_check import check_state
 
@@ -51,10 +50,8 @@ __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState"
            "PREFIX_CHUNK", "QuestionFailed", "StreamingMemory", "question_problem"]
 
 
-@dataclass
-class _Snapshot:
+class _Snapshot(NamedTuple):
     """What a chunk or a question may change (the slot table is immutable: by reference)."""
-
     states: StateSnapshot
     next_position: int
     chunks_seen: int
@@ -97,11 +94,10 @@ class StreamingMemory:
     ) -> ChunkResult:
         """Ingest one chunk: RGB uint8 frames (H x W x 3) and their stream times in seconds.
 
-        stamp: the chunk's last frame's header stamp (seconds), reported back as evidence;
-        pose: where the robot was at that stamp (poses.PoseBuffer.at), kept with the chunk.
-        Bad frames raise ValueError before anything changes. A failure while ingesting (e.g.
-        out of memory) rolls the memory back to its state before the chunk and raises ChunkFailed;
-        a position compaction the chunk needed first stays (it is complete on its own)."""
+        stamp: the last frame's header stamp (s), reported back as evidence; pose: the robot's
+        pose at that stamp, kept with the chunk. Bad frames raise ValueError before anything
+        changes. A failure while ingesting (e.g. out of memory) rolls the chunk back and raises
+        ChunkFailed; a compaction the chunk needed first stays (it is complete on its own)."""
         chunk = self.builder.build(frames, times, self.next_position)
         freed = self._make_room(chunk.next_position - self.next_position,
                                 self.config.compact_margin)
@@ -109,15 +105,9 @@ class StreamingMemory:
             chunk = replace(chunk, position_ids=chunk.position_ids - freed,
                             next_position=chunk.next_position - freed)
         t0 = self.backend.now()
-        snapshot = self._snapshot()
-        try:
-            return self._ingest(chunk, stamp, snapshot, t0, freed, pose)
-        except BaseException as error:
-            failure = error
-            traceback.clear_frames(error.__traceback__)  # drop the failed forward's tensors
-        self._restore(snapshot)
-        del snapshot
-        raise_rolled_back(ChunkFailed, f"chunk {self.chunks_seen}", failure, self.device)
+        return self._rolled_back_on_failure(
+            lambda snapshot: self._ingest(chunk, stamp, snapshot, t0, freed, pose),
+            ChunkFailed, f"chunk {self.chunks_seen}")
 
     def _ingest(
         self, chunk: Chunk, stamp: float | None, snapshot: _Snapshot, t0: float, freed: int,
@@ -132,11 +122,9 @@ class StreamingMemory:
         t3 = self.backend.now()
         index = self.chunks_seen
         keys, values = self.backend.newest(chunk.num_tokens)
-        signals = ChunkSignals(
-            index=index, num_tokens=chunk.num_tokens, drift=drift, keys=keys, values=values,
-            write_strength=(torch.stack([s.mean() for s in strengths]).mean().item()
-                            if strengths else None),
-        )
+        strength = torch.stack([s.mean() for s in strengths]).mean().item() if strengths else None
+        signals = ChunkSignals(index=index, num_tokens=chunk.num_tokens, drift=drift, keys=keys,
+                               values=values, write_strength=strength)
         self.slots = self.slots.append(chunk.time, index, self.policy.score(signals),
                                        chunk.position_ids, stamp, pose)
         self.chunks_seen += 1
@@ -182,9 +170,7 @@ class StreamingMemory:
         Each slot moves by one shift on all three rows (vision blocks keep their T/H/W layout, see
         `rope.compacted_positions`) and its cached key is re-rotated by that shift; values and the
         linear-attention states hold no positions. A failure leaves the memory as it was."""
-        order = self.slots.arrival_order()  # the layout is computed in stream order
-        arrived, end = compacted_positions(self.slots.position[:, order])
-        positions = torch.empty_like(arrived).index_copy_(1, order, arrived)
+        positions, end = self.slots.compacted()
         shift = positions - self.slots.position
         moved = shift.any(0).nonzero()
         if end == self.next_position and moved.numel() == 0:
@@ -201,11 +187,9 @@ class StreamingMemory:
         changing nothing, if even compacted it would not fit. Returns the positions freed."""
         if self.next_position + span <= self.max_positions - margin:
             return 0
-        end = compacted_positions(self.slots.position[:, self.slots.arrival_order()])[1]
-        if (needed := end + span) > self.max_positions:
-            raise RuntimeError(f"position {needed} would exceed the model's max_position_"
-                               f"embeddings ({self.max_positions}) even with compacted "
-                               f"positions; reset the memory")
+        if (needed := self.slots.compacted()[1] + span) > self.max_positions:
+            raise RuntimeError(f"position {needed} would exceed max_position_embeddings "
+                               f"({self.max_positions}) even compacted; reset the memory")
         return self.compact_positions()
 
     # ----------------------------------------------------------------------------- asking
@@ -216,17 +200,14 @@ class StreamingMemory:
             cancelled: Callable[[], bool] | None = None) -> Answer:
         """Answer from what the memory holds; the memory is left bit-identical.
 
-        since, until: a stream-time window (seconds, inclusive, None = open): the question's
-        full-attention layers see only the chat prefix and the retained chunks whose time lies
-        in it, and the evidence comes only from them (the linear-attention states, a summary of
-        the whole stream, are not windowed). on_token(answer so far, tokens so far) is called as
-        each token is decoded; cancelled() is checked before each token, and a cancel returns
-        the answer so far with `cancelled` set.
-
-        Validated first (lengths, window: ValueError, position room: RuntimeError), changing
-        nothing; positions are compacted only if question and answer would not fit otherwise.
-        A failure while answering (e.g. out of memory, or from a callback) raises
-        QuestionFailed. After `max_question_s` the answer so far is returned with `truncated`."""
+        since, until: a stream-time window (seconds, inclusive, None = open): the full-attention
+        layers see only the chat prefix and the retained chunks in it, and the evidence comes
+        from them (the linear-attention states summarise the whole stream). on_token(answer so
+        far, tokens so far) after each token; cancelled() before each (then `cancelled` is set).
+        Validated first, changing nothing (ValueError; no position room: RuntimeError);
+        positions are compacted only if the answer would not fit otherwise. A failure while
+        answering raises QuestionFailed; after `max_question_s` the answer so far comes back
+        with `truncated`."""
         start = time.perf_counter()
         ids = self.layout.question_ids(self.tokenizer, question) if question.strip() else []
         limit = accept_question(question, max_new_tokens, self.config, ids)
@@ -234,54 +215,21 @@ class StreamingMemory:
                    else window_slots(self.slots, since, until))
         self._make_room(len(ids) + limit, margin=0)
         kv_before = self.kv_tokens
-        snapshot, failure = self._snapshot(), None
-        try:
-            generated, evidence, stop = self._answer(ids, kv_before, limit, start, allowed,
-                                                     on_token, cancelled)
-        except BaseException as error:
-            failure = error
-            traceback.clear_frames(error.__traceback__)
-        self._restore(snapshot)
-        del snapshot
-        if failure is not None:
-            raise_rolled_back(QuestionFailed, "the question", failure, self.device)
-        span_start, span_end = self.slots.span()
-        return Answer(
-            text=self._text(generated),
-            evidence_times=[self.slots.chunk_time(c) for c in evidence],
-            evidence_stamps=[self.slots.stamp(c) for c in evidence],
-            memory_tokens=kv_before, span_start=span_start, span_end=span_end,
+        tokens = None if on_token is None else (
+            lambda generated: on_token(self._text(generated), len(generated)))
+        generated, evidence, stop = self._rolled_back_on_failure(
+            lambda _: answer_question(
+                self.backend, self.slots, ids, self.next_position, limit, self._stop_ids,
+                start + self.config.max_question_s, self.config.evidence_chunks, allowed,
+                tokens, cancelled),
+            QuestionFailed, "the question", restore_after=True)
+        return Answer.from_evidence(
+            self._text(generated), evidence, self.slots, memory_tokens=kv_before,
             latency_ms=(time.perf_counter() - start) * 1e3, generated_tokens=len(generated),
-            truncated=stop == "deadline", cancelled=stop == "cancelled",
-            evidence_poses=[self.slots.pose(c) for c in evidence],
-        )
+            truncated=stop == "deadline", cancelled=stop == "cancelled")
 
     def _text(self, generated: list[int]) -> str:
         return self.tokenizer.decode(generated, skip_special_tokens=True).strip()
-
-    def _answer(self, ids: list[int], kv_before: int, limit: int, start: float,
-                allowed: torch.Tensor | None,
-                on_token: Callable[[str, int], None] | None,
-                cancelled: Callable[[], bool] | None) -> tuple[list[int], list[int], str]:
-        """Prefill the question and decode: (generated ids, evidence chunks, why it stopped).
-
-        allowed (T,) bool: the slots the question may see (None: all)."""
-        position = self.next_position
-        positions = torch.arange(position, position + len(ids)).expand(3, 1, -1)
-        visible = None if allowed is None else allowed.nonzero().squeeze(1)
-        with self.backend.visible_slots(visible):
-            seen = kv_before if visible is None else visible.numel()
-            with self.backend.attention_mass(seen) as mass:
-                hidden = self.backend.prefill_text(torch.tensor([ids]), positions)
-            if visible is not None:  # back to one entry per slot of the whole cache
-                mass = torch.zeros(kv_before).index_copy_(0, visible, mass)
-            evidence = evidence_chunks(self.slots, mass, self.config.evidence_chunks, allowed)
-            tokens = None if on_token is None else (
-                lambda generated: on_token(self._text(generated), len(generated)))
-            generated, stop = decode(self.backend, hidden, position + len(ids), limit,
-                                     self._stop_ids, start + self.config.max_question_s,
-                                     tokens, cancelled)
-        return generated, evidence, stop
 
     # ----------------------------------------------------------------------------- rollback
     def _snapshot(self) -> _Snapshot:
@@ -295,7 +243,27 @@ class StreamingMemory:
         self.next_position, self.chunks_seen, self.slots = (snap.next_position, snap.chunks_seen,
                                                             snap.slots)
 
-    # ----------------------------------------------------------------------------- persistence
+    def _rolled_back_on_failure(self, work: Callable[[_Snapshot], Any],
+                                failure_type: type[Exception], what: str,
+                                restore_after: bool = False) -> Any:
+        """work(snapshot); if it raises, restore the snapshot outside the except block (the
+        failed forward's frames dropped, so its tensors can be freed) and raise failure_type.
+        restore_after: restore after a success too (a question)."""
+        snapshot = self._snapshot()
+        try:
+            result = work(snapshot)
+        except BaseException as error:
+            failure = error
+            traceback.clear_frames(error.__traceback__)
+        else:
+            if restore_after:
+                self._restore(snapshot)
+            return result
+        self._restore(snapshot)
+        del snapshot
+        raise_rolled_back(failure_type, what, failure, self.device)
+
+    # ----------------------------------------------------------------------- state and size
     def export_state(self) -> MemoryState:
         """The stream's whole state, by reference (no copies); see persist.save_memory."""
         return MemoryState(self.backend.export_tensors() | self.slots.export(),
@@ -315,7 +283,6 @@ class StreamingMemory:
         self.slots, self.next_position = slots, state.next_position
         self.chunks_seen, self.compactions = state.chunks_seen, state.compactions
 
-    # ----------------------------------------------------------------------------- accounting
     @property
     def kv_tokens(self) -> int:
         return self.backend.kv_tokens

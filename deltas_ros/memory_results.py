@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .poses import Pose
+from .slots import SlotTable
 
 
 @dataclass
@@ -48,6 +49,17 @@ class Answer:
     truncated: bool = False
     cancelled: bool = False
     evidence_poses: list[Pose | None] = field(default_factory=list)
+
+    @classmethod
+    def from_evidence(cls, text: str, evidence: list[int], slots: SlotTable,
+                      **fields) -> Answer:
+        """The answer with the times, stamps and poses of its `evidence` chunks and the span
+        of `slots` (the memory as the question saw it)."""
+        span_start, span_end = slots.span()
+        return cls(text=text, evidence_times=[slots.chunk_time(c) for c in evidence],
+                   evidence_stamps=[slots.stamp(c) for c in evidence],
+                   evidence_poses=[slots.pose(c) for c in evidence],
+                   span_start=span_start, span_end=span_end, **fields)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .poses import Pose
+from .rope import compacted_positions
 
 PREFIX_CHUNK = -1  # chunk index of the chat prefix's slots
 MAX_CHUNKS = 2**31  # chunk indices and counters fit a signed 32-bit field
@@ -109,6 +110,13 @@ class SlotTable:
         if self.arrival.numel() < 2 or bool((self.arrival.diff() > 0).all()):
             return torch.arange(len(self))
         return self.arrival.argsort()
+
+    def compacted(self) -> tuple[torch.Tensor, int]:
+        """(3, T) gap-free positions per slot, laid out in arrival order (rope.py), and the
+        position after them."""
+        order = self.arrival_order()
+        arrived, end = compacted_positions(self.position[:, order])
+        return torch.empty_like(arrived).index_copy_(1, order, arrived), end
 
     # ----------------------------------------------------------------------------- reading
     def retained_chunks(self) -> list[int]:
