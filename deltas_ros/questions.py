@@ -5,11 +5,17 @@ The forms are an interface (README lists them). Truth comes from a scene stream'
 answer; code here only makes training targets and scores what the model wrote.
 
     What appeared?                       a red circle and a blue square
-    What color was the <shape>?          red
-    Which shape was <color>?             circle
+    What color was the <shape>?          the circle was red
+    Which shape was <color>?             a red circle
     Did you see a <color> <shape>?       yes | no
-    When did the <color> <shape> appear? 12 seconds   (stream time, whole seconds)
+    When did the <color> <shape> appear? the red circle appeared at 12 seconds  (stream time)
     How many objects appeared?           two
+
+An answer names what it is about before the fact asked for: the word the fact is looked up by
+is then among the last tokens the model wrote, one attention step from the chunk that shows
+it. With bare answers ("red") the model must first carry the question's word to the answer
+position and then look up by it; a tiny model trained for an hour never learned that two-step
+lookup, only to name the colour of some object in the stream.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ NUMBERS = ("zero", "one", "two", "three")
 # Whole words that become single tokens of the scene model's tokenizer.
 DOMAIN_WORDS = (*COLOURS, *SHAPES, "yes", "no", "a", "and", "seconds", *NUMBERS, "What",
                 "appeared", "color", "was", "the", "Which", "shape", "Did", "you", "see", "When",
-                "did", "appear", "How", "many", "objects")
+                "did", "appear", "How", "many", "objects", "at")
 TIME_TEXT_PIECES = (" seconds>",)  # the tail of each chunk's "<t seconds>" time text
 WHEN_TOLERANCE_S = 1  # a "when" answer counts within this many whole seconds
 
@@ -83,12 +89,13 @@ def answer_for(form: str, events: list[dict], colour: str = "", shape: str = "")
              and (not colour or o["colour"] == colour)]
     if len(match) != 1:
         raise ValueError(f"{form!r}: {colour} {shape} is not exactly one object of the stream")
+    found = match[0]
     if form == "colour":
-        return match[0]["colour"]
+        return f"the {found['shape']} was {found['colour']}"
     if form == "shape":
-        return match[0]["shape"]
+        return f"a {found['colour']} {found['shape']}"
     if form == "when":
-        return f"{appear_second(match[0])} seconds"
+        return f"the {found['colour']} {found['shape']} appeared at {appear_second(found)} seconds"
     raise ValueError(f"unknown question form {form!r}; choose one of {', '.join(FORMS)}")
 
 
@@ -128,16 +135,29 @@ def _words(text: str) -> list[str]:
 def is_correct(qa: QA, text: str) -> bool:
     """Whether the model's answer `text` says what `qa.answer` says.
 
-    Word-exact for single-word forms; "appeared" compares the set of (colour, shape) pairs
-    named; "when" accepts the whole second within WHEN_TOLERANCE_S.
+    "appeared": the set of (colour, shape) pairs named; "colour", "shape", "when": the fact
+    asked for (the one colour, the one shape, the whole second within WHEN_TOLERANCE_S), with
+    nothing named that the truth does not name; "seen", "count": word-exact.
     """
     said, truth = _words(text), _words(qa.answer)
     if qa.form == "appeared":
         return _pairs(said) == _pairs(truth)
+    said_colours, true_colours = _named(said, COLOURS), _named(truth, COLOURS)
+    said_shapes, true_shapes = _named(said, SHAPES), _named(truth, SHAPES)
+    only_truth = set(said_colours) <= set(true_colours) and set(said_shapes) <= set(true_shapes)
+    if qa.form == "colour":
+        return said_colours == true_colours and only_truth
+    if qa.form == "shape":
+        return said_shapes == true_shapes and only_truth
     if qa.form == "when":
-        numbers = [w for w in said if w.isdigit()]
-        return len(numbers) == 1 and abs(int(numbers[0]) - int(truth[0])) <= WHEN_TOLERANCE_S
+        numbers, true_second = [w for w in said if w.isdigit()], int(truth[-2])
+        return (len(numbers) == 1 and only_truth
+                and abs(int(numbers[0]) - true_second) <= WHEN_TOLERANCE_S)
     return said == truth
+
+
+def _named(words: list[str], names) -> list[str]:
+    return [w for w in words if w in names]
 
 
 def _pairs(words: list[str]) -> set[tuple[str, str]] | None:

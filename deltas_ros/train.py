@@ -9,6 +9,12 @@ user turn at the next position, then the answer. Each step prefills B streams on
 questions of each: the stream cache is repeated Q times (`expand_cache`), so one stream forward
 serves Q supervised answers. Loss on the answer tokens (and <|im_end|>) only.
 
+Vision first (config `vision_pretrain`), as vision-language models pretrain their vision encoder:
+the vision tower and a throwaway linear head learn the shape and colour of the object a chunk
+shows (or that it shows none), from chunks built by `ChunkBuilder` exactly as in the streams.
+Through the language model alone the shape signal is too weak: colour was learned in minutes,
+shape stayed at chance for 12 minutes, while the same tower with a direct head learned it.
+
 Curriculum: config `stages` (stream lengths, objects per stream, cuts, distractors, overlap,
 question forms); short streams with one object first, which is what breaks the plateau (see
 shared/notes/training-feasibility.md). A stage ends when the running accuracy on the target forms
@@ -26,7 +32,8 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import AddedToken
+from tqdm import tqdm
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache
 
@@ -57,7 +65,7 @@ from .questions import (
     TIME_TEXT_PIECES,
     sample_questions,
 )
-from .synth import SceneOptions, SceneStream
+from .synth import COLOURS, SHAPES, SceneOptions, SceneStream
 
 FPS = 2.0
 FRAMES_PER_CHUNK = 2
@@ -65,6 +73,7 @@ FRAMES_PER_CHUNK = 2
 # evaluation uses seeds below VALIDATION_SEEDS, never seen in training or model selection.
 VALIDATION_SEEDS = 500_000
 TRAIN_SEEDS = 1_000_000
+VISION_SEEDS = 10**12  # the vision phase's scenes, apart from the streams'
 
 
 @dataclass
@@ -90,6 +99,16 @@ class Stage:
     def options(self) -> SceneOptions:
         return SceneOptions(objects=tuple(self.objects), cuts=tuple(self.cuts),
                             distractors=tuple(self.distractors), overlap=self.overlap)
+
+
+@dataclass
+class VisionPretrain:
+    """The vision tower's own first phase (0 steps: none)."""
+
+    steps: int = 0
+    batch: int = 32
+    lr: float = 3e-3
+    empty: float = 0.25  # share of chunks that show no object
 
 
 @dataclass
@@ -121,6 +140,7 @@ class TrainConfig:
     text: dict[str, Any] = field(default_factory=dict)  # overrides of model.TINY_TEXT
     vision: dict[str, Any] = field(default_factory=dict)  # overrides of model.TINY_VISION
     stages: list[Stage] = field(default_factory=lambda: [Stage(10**9)])
+    vision_pretrain: VisionPretrain = field(default_factory=VisionPretrain)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
@@ -139,6 +159,7 @@ class TrainConfig:
                 raise ValueError(f"{path}: unknown question forms in {stage}")
         if "betas" in raw:
             raw["betas"] = tuple(raw["betas"])
+        raw["vision_pretrain"] = VisionPretrain(**raw.get("vision_pretrain", {}))
         unknown_forms = set(raw.get("forms", {})) - set(FORMS)
         if unknown_forms:
             raise ValueError(f"{path}: unknown question forms {sorted(unknown_forms)}")
@@ -147,12 +168,19 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------- model
+CHAT_ROLES = ("user", "assistant")  # the chat template's role names: one token each
+
+
 def scene_tokenizer():
-    """The byte-level Qwen3.5 tokenizer plus whole-word tokens for the scene domain and the
-    chunk time text's " seconds>" (a chunk's time text: 6 tokens instead of 13-14)."""
+    """The byte-level Qwen3.5 tokenizer plus whole-word tokens for the scene domain, each also
+    with its leading space ("What color was the circle?" is 6 tokens, not 26; outside the domain
+    a word may split, e.g. "redo" into " red" + "o", and still decodes exactly), the chat roles
+    (the question's template tail: 7 tokens instead of 15) and the chunk time text's
+    " seconds>" (a chunk's time text: 6 tokens instead of 13-14)."""
     tokenizer = make_tokenizer(TINY_VISION_START_ID)
     tokenizer.add_tokens([AddedToken(w, single_word=True, normalized=False)
-                          for w in DOMAIN_WORDS]
+                          for w in (*DOMAIN_WORDS, *CHAT_ROLES)]
+                         + [AddedToken(f" {w}", normalized=False) for w in DOMAIN_WORDS]
                          + [AddedToken(p, normalized=False) for p in TIME_TEXT_PIECES])
     return tokenizer
 
@@ -342,6 +370,28 @@ def loss_and_hits(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, lis
     return loss, right.all(1).tolist()
 
 
+def vision_sample(builder: ChunkBuilder, cfg: TrainConfig, seed: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """A chunk of a one-object scene stream (the last stage's cuts and distractors) and what
+    it shows: (pixel values, grid_thw, shape index, colour index) into SHAPES and COLOURS, or
+    len(SHAPES), len(COLOURS) for no object (chosen with probability vision_pretrain.empty)."""
+    options = replace(cfg.stages[-1].options(), objects=(1, 1))
+    scene = SceneStream(4, cfg.width, cfg.height, seed, options)
+    chunks = sampled_chunks(scene)
+    seen = [[scene.visible(t) for t in times] for _, times in chunks]
+    whole = [k for k, s in enumerate(seen) if all(s)]  # the object in both frames
+    empty = [k for k, s in enumerate(seen) if not any(s)]
+    rng = np.random.default_rng((seed, 5))
+    pool = empty if empty and rng.random() < cfg.vision_pretrain.empty else whole
+    k = pool[int(rng.integers(len(pool)))]
+    frames, times = chunks[k]
+    chunk = builder.build(frames, times, 0)
+    if not seen[k][0]:
+        return chunk.pixel_values, chunk.grid_thw, len(SHAPES), len(COLOURS)
+    colour, shape = seen[k][0][0]
+    return chunk.pixel_values, chunk.grid_thw, SHAPES.index(shape), list(COLOURS).index(colour)
+
+
 # ----------------------------------------------------------------------------- training
 class Trainer:
     """One training run in OUT: checkpoint.pt (resumable), model/ (best export), train.log."""
@@ -364,6 +414,13 @@ class Trainer:
         self.optim = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay},
              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+        hidden = self.model.config.text_config.hidden_size
+        self.vision_head = torch.nn.Linear(hidden, len(SHAPES) + 1 + len(COLOURS) + 1).to(
+            self.device)
+        self.vision_optim = torch.optim.AdamW(
+            [*self.model.model.visual.parameters(), *self.vision_head.parameters()],
+            lr=cfg.vision_pretrain.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.vision_steps = 0
         self.step, self.elapsed_s, self.best = 0, 0.0, -1.0
         self.stage_index, self.stage_start = 0, 0
         self.history: list[dict[str, Any]] = []
@@ -377,13 +434,16 @@ class Trainer:
             self.step, self.elapsed_s = state["step"], state["elapsed_s"]
             self.best, self.history = state["best"], state["history"]
             self.stage_index, self.stage_start = state["stage_index"], state["stage_start"]
+            self.vision_head.load_state_dict(state["vision_head"])
+            self.vision_optim.load_state_dict(state["vision_optim"])
+            self.vision_steps = state["vision_steps"]
         elif checkpoint.exists():
             raise FileExistsError(f"{checkpoint} exists: pass --resume or another --out")
         self.out.mkdir(parents=True, exist_ok=True)
         self.log_file = open(self.out / "train.log", "a")
 
     def log(self, line: str) -> None:
-        print(line, flush=True)
+        tqdm.write(line)  # above the progress bar, if there is one
         self.log_file.write(line + "\n")
         self.log_file.flush()
 
@@ -395,6 +455,29 @@ class Trainer:
         done = max(self.step / cfg.max_steps, self.elapsed_s / (cfg.max_minutes * 60))
         decay = min(1.0, max(0.0, (1 - done) / cfg.decay_fraction)) if cfg.decay_fraction else 1
         return cfg.lr * warm * (0.1 + 0.9 * decay)
+
+    def vision_step(self) -> tuple[float, list[bool], list[bool]]:
+        """One step of the vision phase: (loss, shape right, colour right) per chunk."""
+        cfg = self.cfg
+        base = VISION_SEEDS + (cfg.seed * 10**7 + self.vision_steps) * cfg.vision_pretrain.batch
+        samples = [vision_sample(self.builder, cfg, base + b)
+                   for b in range(cfg.vision_pretrain.batch)]
+        pixels, grids = (torch.cat([s[i] for s in samples]).to(self.device) for i in (0, 1))
+        shapes, colours = (torch.tensor([s[i] for s in samples], device=self.device)
+                           for i in (2, 3))
+        self.model.train()
+        tokens = self.model.model.visual(pixels, grid_thw=grids).pooler_output
+        pooled = tokens.view(len(samples), -1, tokens.shape[-1]).mean(1)  # equal-sized chunks
+        logits = self.vision_head(pooled)
+        shape_logits, colour_logits = logits[:, :len(SHAPES) + 1], logits[:, len(SHAPES) + 1:]
+        loss = F.cross_entropy(shape_logits, shapes) + F.cross_entropy(colour_logits, colours)
+        self.vision_optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.model.visual.parameters(), cfg.clip)
+        self.vision_optim.step()
+        self.vision_steps += 1
+        return (loss.item(), (shape_logits.argmax(1) == shapes).tolist(),
+                (colour_logits.argmax(1) == colours).tolist())
 
     def train_step(self) -> tuple[float, list[QA], list[bool]]:
         cfg = self.cfg
@@ -439,7 +522,10 @@ class Trainer:
         state = {"model": self.model.state_dict(), "optim": self.optim.state_dict(),
                  "step": self.step, "elapsed_s": self.elapsed_s, "best": self.best,
                  "history": self.history, "stage_index": self.stage_index,
-                 "stage_start": self.stage_start, "config": asdict(self.cfg)}
+                 "stage_start": self.stage_start, "vision_head": self.vision_head.state_dict(),
+                 "vision_optim": self.vision_optim.state_dict(),
+                 "vision_steps": self.vision_steps,
+                 "config": asdict(self.cfg)}
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self.out / "checkpoint.pt")
@@ -451,40 +537,68 @@ class Trainer:
                             self.cfg.pixel_budget, info)
 
     def run(self) -> Path:
+        """The vision phase, then the streams, to max_steps or max_minutes (a resumed run goes
+        on where it stopped); the best model is in OUT/model."""
         cfg = self.cfg
-        start = time.monotonic() - self.elapsed_s
-        last_save = last_val = time.monotonic()
-        window: dict[str, list[bool]] = {f: [] for f in FORMS}
-        losses: list[float] = []
         self.log(f"training from step {self.step} ({self.elapsed_s / 60:.1f} min done), "
                  f"{sum(p.numel() for p in self.model.parameters()):,} parameters, "
                  f"device {self.device}")
-        while self.step < cfg.max_steps and self.elapsed_s < cfg.max_minutes * 60:
-            t0 = time.monotonic()
-            loss, qas, hits = self.train_step()
-            self.elapsed_s = time.monotonic() - start
-            losses = (losses + [loss])[-cfg.log_every:]
-            for qa, hit in zip(qas, hits):
-                window[qa.form] = (window[qa.form] + [hit])[-200:]
-            if self.step % cfg.log_every == 0:
-                accs = " ".join(f"{f}={np.mean(v):.2f}" for f, v in window.items() if v)
-                self.log(f"step {self.step} {self.elapsed_s / 60:.1f}min "
-                         f"{time.monotonic() - t0:.2f}s/step stage {self.stage_index} "
-                         f"loss {np.mean(losses):.3f} acc {accs}")
-            if self._advance(window):
-                window = {f: [] for f in FORMS}
-            now = time.monotonic()
-            if now - last_val > cfg.validate_minutes * 60:
-                self._validate_and_export()
-                last_val = time.monotonic()
-            if now - last_save > cfg.checkpoint_minutes * 60:
-                self.save()
-                last_save = time.monotonic()
+        self.clock = time.monotonic() - self.elapsed_s
+        self.last_save = self.last_val = time.monotonic()
+        with tqdm(total=cfg.vision_pretrain.steps + cfg.max_steps, unit="step",
+                  initial=self.vision_steps + self.step, dynamic_ncols=True,
+                  disable=None) as self.bar:  # a progress bar on a terminal only
+            self._vision_phase()
+            self._stream_phase()
         self._validate_and_export()
         self.save()
         self.log(f"done at step {self.step} after {self.elapsed_s / 60:.1f} min; best "
                  f"validation target accuracy {self.best:.3f}; model in {self.out / 'model'}")
         return self.out / "model"
+
+    def _time_left(self) -> bool:
+        self.elapsed_s = time.monotonic() - self.clock
+        return self.elapsed_s < self.cfg.max_minutes * 60
+
+    def _progress(self, what: str, losses: deque[float], window: dict[str, list[bool]]) -> None:
+        """The bar's loss and running accuracy; a log line every log_every steps."""
+        loss, accs = np.mean(losses), {
+            name: f"{np.mean(hits):.2f}" for name, hits in window.items() if hits}
+        self.bar.update()
+        self.bar.set_postfix(loss=f"{loss:.3f}", **accs, refresh=False)
+        steps = self.vision_steps if what == "vision" else self.step
+        if steps % self.cfg.log_every == 0:
+            self.log(f"{what} step {steps} {self.elapsed_s / 60:.1f}min loss {loss:.3f} acc "
+                     + " ".join(f"{k}={v}" for k, v in accs.items()))
+        if time.monotonic() - self.last_save > self.cfg.checkpoint_minutes * 60:
+            self.save()
+            self.last_save = time.monotonic()
+
+    def _vision_phase(self) -> None:
+        losses: deque[float] = deque(maxlen=self.cfg.log_every)
+        window: dict[str, list[bool]] = {"shape": [], "colour": []}
+        while self.vision_steps < self.cfg.vision_pretrain.steps and self._time_left():
+            loss, *right = self.vision_step()
+            losses.append(loss)
+            for name, hits in zip(window, right):
+                window[name] = (window[name] + hits)[-400:]
+            self._progress("vision", losses, window)
+
+    def _stream_phase(self) -> None:
+        cfg = self.cfg
+        losses: deque[float] = deque(maxlen=cfg.log_every)
+        window: dict[str, list[bool]] = {f: [] for f in FORMS}
+        while self.step < cfg.max_steps and self._time_left():
+            loss, qas, hits = self.train_step()
+            losses.append(loss)
+            for qa, hit in zip(qas, hits):
+                window[qa.form] = (window[qa.form] + [hit])[-200:]
+            self._progress(f"stage {self.stage_index}", losses, window)
+            if self._advance(window):
+                window = {f: [] for f in FORMS}
+            if time.monotonic() - self.last_val > cfg.validate_minutes * 60:
+                self._validate_and_export()
+                self.last_val = time.monotonic()
 
     def _advance(self, window: dict[str, list[bool]]) -> bool:
         """Move to the next stage when this one is learned or its last step has passed."""

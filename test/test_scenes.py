@@ -66,11 +66,12 @@ def test_answers_follow_the_forms():
     ]
     assert answer_for("appeared", events) == "a red circle and a blue square"
     assert answer_for("count", events) == "two"
-    assert answer_for("colour", events, shape="square") == "blue"
-    assert answer_for("shape", events, colour="red") == "circle"
+    assert answer_for("colour", events, shape="square") == "the square was blue"
+    assert answer_for("shape", events, colour="red") == "a red circle"
     assert answer_for("seen", events, "red", "circle") == "yes"
     assert answer_for("seen", events, "blue", "circle") == "no"
-    assert answer_for("when", events, "red", "circle") == "2 seconds"  # first frame at 2.5 s
+    # The first sampled frame showing it is at 2.5 s: in the chunk whose time text says 2.
+    assert answer_for("when", events, "red", "circle") == "the red circle appeared at 2 seconds"
     assert appear_second({"time": 9.0}) == 9
     with pytest.raises(ValueError):
         answer_for("colour", events, shape="triangle")
@@ -87,10 +88,17 @@ def test_scoring_accepts_right_answers_only():
     assert is_correct(appeared, "a blue square and a red circle.")
     assert not is_correct(appeared, "a red circle")
     assert not is_correct(appeared, "a red square and a blue circle")
-    when = QA("when", "When did the red circle appear?", "12 seconds")
-    assert is_correct(when, "13 seconds") and not is_correct(when, "14 seconds")
-    colour = QA("colour", "What color was the circle?", "red")
-    assert is_correct(colour, "Red") and not is_correct(colour, "red blue")
+    when = QA("when", "When did the red circle appear?", "the red circle appeared at 12 seconds")
+    assert is_correct(when, "the red circle appeared at 13 seconds") and is_correct(when, "12")
+    assert not is_correct(when, "the red circle appeared at 14 seconds")
+    assert not is_correct(when, "the blue circle appeared at 12 seconds")
+    colour = QA("colour", "What color was the circle?", "the circle was red")
+    assert is_correct(colour, "The circle was Red.") and is_correct(colour, "red")
+    assert not is_correct(colour, "the circle was red blue")
+    assert not is_correct(colour, "the square was red")  # the fact about another object
+    shape = QA("shape", "Which shape was red?", "a red circle")
+    assert is_correct(shape, "a red circle") and not is_correct(shape, "a red square")
+    assert not is_correct(shape, "a blue circle")
 
 
 def test_domain_words_are_single_tokens():

@@ -3,6 +3,7 @@ exports a loadable model and resumes to the same weights."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,13 @@ from deltas_ros.chunks import ChunkBuilder
 from deltas_ros.memory import MemoryConfig, StreamingMemory
 from deltas_ros.model import LoadedModel, load_model, resolve_pixel_budget
 from deltas_ros.prompt import ChatLayout
-from deltas_ros.synth import SceneStream
+from deltas_ros.synth import COLOURS, SHAPES, SceneStream
 from deltas_ros.train import (
+    VISION_SEEDS,
     Stage,
     TrainConfig,
     Trainer,
+    VisionPretrain,
     forward,
     make_batch,
     new_model,
@@ -24,12 +27,14 @@ from deltas_ros.train import (
     sampled_chunks,
     scene_tokenizer,
     stream_input,
+    vision_sample,
 )
 
 TINY = dict(batch=2, questions=3, warmup=1, validation_streams=2, validation_seconds=4,
             log_every=1, width=64, height=48, pixel_budget=4096, max_minutes=600,
             checkpoint_minutes=600, validate_minutes=600, decay_fraction=0.0,
-            stages=[Stage(10**9, seconds=(2, 4), objects=(1, 2))])
+            stages=[Stage(10**9, seconds=(2, 4), objects=(1, 2))],
+            vision_pretrain=VisionPretrain(steps=2, batch=2))
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +83,28 @@ def test_sample_is_what_the_memory_feeds(scene_model):
         torch.testing.assert_close(logits[row, :len(ids)], expected, atol=2e-5, rtol=1e-4)
 
 
+def test_vision_samples_are_labelled_with_what_their_chunk_shows(scene_model):
+    """The vision phase's labels: the shape and colour of the one object in both frames of the
+    chunk, or "nothing" (one past the last index) when no object is in view; both occur."""
+    cfg = TrainConfig(**TINY)
+    builder = ChunkBuilder.for_model(scene_model.model, scene_model.tokenizer, cfg.pixel_budget)
+    labels = []
+    for seed in range(VISION_SEEDS, VISION_SEEDS + 24):
+        pixels, grid, shape, colour = vision_sample(builder, cfg, seed)
+        assert pixels.shape[0] == int(grid.prod()) and grid[0, 0] == 1  # one chunk
+        scene = SceneStream(4, cfg.width, cfg.height, seed, replace(cfg.stages[-1].options(),
+                                                                    objects=(1, 1)))
+        shown = scene.labels[0]
+        labels.append((shape, colour))
+        assert (shape, colour) in {(len(SHAPES), len(COLOURS)),
+                                   (SHAPES.index(shown[1]), list(COLOURS).index(shown[0]))}
+    assert (len(SHAPES), len(COLOURS)) in labels and len(set(labels)) > 1
+
+
 def test_train_checkpoint_export_and_resume(tmp_path):
-    """Two steps, resumed for a third, give the weights of three steps straight; the exported
-    model loads through from_pretrained and carries its pixel budget."""
+    """Two steps (after the vision phase's two), resumed for a third, give the weights of three
+    steps straight; the exported model loads through from_pretrained and carries its pixel
+    budget."""
     straight = Trainer(TrainConfig(**TINY, max_steps=3), tmp_path / "straight")
     straight.run()
     first = Trainer(TrainConfig(**TINY, max_steps=2), tmp_path / "resumed")
@@ -88,7 +112,7 @@ def test_train_checkpoint_export_and_resume(tmp_path):
     with pytest.raises(FileExistsError):
         Trainer(TrainConfig(**TINY, max_steps=3), tmp_path / "resumed")
     resumed = Trainer(TrainConfig(**TINY, max_steps=3), tmp_path / "resumed", resume=True)
-    assert resumed.step == 2
+    assert resumed.step == 2 and resumed.vision_steps == 2  # the vision phase is not redone
     resumed.run()
     assert resumed.step == 3
     for (name, a), b in zip(straight.model.state_dict().items(),
