@@ -24,6 +24,10 @@ that moves one fails naming it):
         mm_token_type_ids=), model.lm_head
     cache_utils.DynamicCache(config=) .layers[i] .keys .values .get_seq_length()
         .recurrent_states[0] .conv_states[0]
+    for training (repeat_cache): the linear-attention layer's .conv_kernel_size .dtype
+        .device .is_conv_states_initialized .is_recurrent_states_initialized
+        .has_previous_state .record_past .update_recurrent_state(recurrent_states, state_idx),
+        and the attention layer's .lazy_initialization(keys, values)
 
 No process-wide patching: the gated delta kernels are chosen per model instance (each Gated
 DeltaNet module gets its own forward, the same code with its own kernel bindings; without the
@@ -468,6 +472,45 @@ def fill_slots(caches: list[torch.Tensor], holes: torch.Tensor, movers: torch.Te
     moving = [cache.index_select(-2, movers) for cache in caches]
     return [cache[..., :size, :].index_copy_(-2, holes, rows)
             for cache, rows in zip(caches, moving)]
+
+
+# ----------------------------------------------------------------------------- training
+def training_cache(text_config) -> DynamicCache:
+    """An empty cache for a batched training forward (train.py)."""
+    return DynamicCache(config=text_config)
+
+
+def repeat_cache(cache: DynamicCache, repeats: int, text_config) -> DynamicCache:
+    """A new cache holding each batch row of `cache` `repeats` times (rows b*repeats + q), so
+    one stream prefill serves several questions in training.
+
+    Its Gated DeltaNet layers replace their states instead of updating them in place, so
+    gradients flow back through the questions into the stream (transformers' cache copies
+    into fixed buffers for cudagraphs, which autograd cannot go back through).
+    """
+    out = DynamicCache(config=text_config)
+    for old, new in zip(cache.layers, out.layers):
+        if hasattr(old, "recurrent_states"):
+            new.conv_states[0] = old.conv_states[0].repeat_interleave(repeats, 0)
+            new.recurrent_states[0] = old.recurrent_states[0].repeat_interleave(repeats, 0)
+            new.conv_kernel_size[0] = old.conv_kernel_size[0]
+            new.dtype, new.device = old.dtype, old.device
+            new.is_conv_states_initialized[0] = new.is_recurrent_states_initialized[0] = True
+            new.has_previous_state[0] = True
+            new.record_past = True  # conv states: assigned, not copied in place
+            new.update_recurrent_state = _assigning_update(new)
+        if getattr(old, "keys", None) is not None:
+            new.lazy_initialization(old.keys, old.values)
+            new.keys = old.keys.repeat_interleave(repeats, 0)
+            new.values = old.values.repeat_interleave(repeats, 0)
+    return out
+
+
+def _assigning_update(layer) -> Callable[..., torch.Tensor]:
+    def update(recurrent_states: torch.Tensor, state_idx: int = 0, **_) -> torch.Tensor:
+        layer.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+    return update
 
 
 def gather_slots(cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ A training sample is exactly what `StreamingMemory` sees (test_train.py checks t
 positions): the chat prefix of `ChatLayout`, then one chunk per second built by
 `ChunkBuilder.build` at the running position (2 frames at 2 fps), then the question closing the
 user turn at the next position, then the answer. Each step prefills B streams once and asks Q
-questions of each: the stream cache is repeated Q times (`expand_cache`), so one stream forward
-serves Q supervised answers. Loss on the answer tokens (and <|im_end|>) only.
+questions of each: the stream cache is repeated Q times (`backend.repeat_cache`), so one stream
+forward serves Q supervised answers. Loss on the answer tokens (and <|im_end|>) only.
 
 Vision first (config `vision_pretrain`), as vision-language models pretrain their vision encoder:
 the vision tower and a throwaway linear head learn the shape and colour of the object a chunk
@@ -43,9 +43,8 @@ import torch.nn.functional as F
 from tokenizers import AddedToken
 from tqdm import tqdm
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-from transformers.cache_utils import DynamicCache
 
-from .backend import select_gated_delta_kernels
+from .backend import repeat_cache, select_gated_delta_kernels, training_cache
 from .chunks import ChunkBuilder
 from .maker import (
     TINY_TEXT,
@@ -270,38 +269,6 @@ def qa_ids(tokenizer, layout: ChatLayout, qa: QA) -> tuple[list[int], int]:
     return question + answer + [tokenizer.convert_tokens_to_ids("<|im_end|>")], len(question)
 
 
-def expand_cache(cache: DynamicCache, repeats: int, text_config) -> DynamicCache:
-    """A new cache holding each batch row of `cache` `repeats` times (rows b*repeats + q).
-
-    Its Gated DeltaNet layers replace their states instead of updating them in place, so
-    gradients flow back through the questions into the stream (transformers' cache copies
-    into fixed buffers for cudagraphs, which autograd cannot go back through).
-    """
-    out = DynamicCache(config=text_config)
-    for old, new in zip(cache.layers, out.layers):
-        if hasattr(old, "recurrent_states"):
-            new.conv_states[0] = old.conv_states[0].repeat_interleave(repeats, 0)
-            new.recurrent_states[0] = old.recurrent_states[0].repeat_interleave(repeats, 0)
-            new.conv_kernel_size[0] = old.conv_kernel_size[0]
-            new.dtype, new.device = old.dtype, old.device
-            new.is_conv_states_initialized[0] = new.is_recurrent_states_initialized[0] = True
-            new.has_previous_state[0] = True
-            new.record_past = True  # conv states: assigned, not copied in place
-            new.update_recurrent_state = _assigning_update(new)
-        if getattr(old, "keys", None) is not None:
-            new.lazy_initialization(old.keys, old.values)
-            new.keys = old.keys.repeat_interleave(repeats, 0)
-            new.values = old.values.repeat_interleave(repeats, 0)
-    return out
-
-
-def _assigning_update(layer):
-    def update(recurrent_states: torch.Tensor, state_idx: int = 0, **_: Any) -> torch.Tensor:
-        layer.recurrent_states[state_idx] = recurrent_states
-        return recurrent_states
-    return update
-
-
 @dataclass
 class Batch:
     """B streams of equal length (same token layout) and Q questions each."""
@@ -341,7 +308,7 @@ def forward(model, batch: Batch, device: torch.device) -> torch.Tensor:
     streams = batch.streams
     ids = torch.stack([s.input_ids for s in streams]).to(device)
     positions = torch.stack([s.positions for s in streams], 1).to(device)
-    cache = DynamicCache(config=text_config)
+    cache = training_cache(text_config)
     model.model(
         input_ids=ids,
         pixel_values_videos=torch.cat([s.pixel_values for s in streams]).to(device),
@@ -350,7 +317,7 @@ def forward(model, batch: Batch, device: torch.device) -> torch.Tensor:
         position_ids=positions, cache=cache, use_cache=True,
     )
     repeats = batch.qa_ids.shape[0] // len(streams)
-    cache = expand_cache(cache, repeats, text_config)
+    cache = repeat_cache(cache, repeats, text_config)
     start = streams[0].next_position
     width = batch.qa_ids.shape[1]
     qa_positions = torch.arange(start, start + width, device=device).expand(3, len(batch.qas), -1)

@@ -57,6 +57,13 @@ def test_attention_and_cache_attributes_the_backend_uses_exist(tiny_model):
     assert hasattr(cache.layers[full], "get_seq_length"), "DynamicCache layer API moved"
     for name in ("recurrent_states", "conv_states"):
         assert hasattr(cache.layers[linear], name), f"linear-attention cache layer lost {name}"
+    # What repeat_cache (training) sets on them.
+    for name in ("conv_kernel_size", "dtype", "device", "is_conv_states_initialized",
+                 "is_recurrent_states_initialized", "has_previous_state", "record_past",
+                 "update_recurrent_state"):
+        assert hasattr(cache.layers[linear], name), f"linear-attention cache layer lost {name}"
+    assert "state_idx" in inspect.signature(cache.layers[linear].update_recurrent_state).parameters
+    assert hasattr(cache.layers[full], "lazy_initialization"), "DynamicLayer API moved"
 
 
 def test_rope_rotate_half_is_transformers_pairing():
