@@ -234,14 +234,18 @@ class StreamInput:
     next_position: int
 
 
+def chunk_frames(stream: SceneStream) -> list[list[int]]:
+    """Frame indices of each chunk: frame k at stream time k / FPS (2 fps from time 0), two per
+    chunk, as the node's FrameSampler groups a camera stream (times count from the first
+    frame)."""
+    n = round(stream.duration_s * FPS) // FRAMES_PER_CHUNK * FRAMES_PER_CHUNK
+    return [list(range(i, i + FRAMES_PER_CHUNK)) for i in range(0, n, FRAMES_PER_CHUNK)]
+
+
 def sampled_chunks(stream: SceneStream) -> list[tuple[list[np.ndarray], list[float]]]:
-    """(frames, times) per chunk: frames at 2 fps from time 0, two per chunk, as the node's
-    FrameSampler groups a camera stream (stream times count from the first frame)."""
-    items = list(stream.frames(FPS))
-    n = len(items) // FRAMES_PER_CHUNK * FRAMES_PER_CHUNK
-    return [([f for _, f in items[i:i + FRAMES_PER_CHUNK]],
-             [t for t, _ in items[i:i + FRAMES_PER_CHUNK]])
-            for i in range(0, n, FRAMES_PER_CHUNK)]
+    """(frames, times) per chunk (`chunk_frames`), rendered."""
+    return [([stream.frame(k / FPS, k) for k in frames], [k / FPS for k in frames])
+            for frames in chunk_frames(stream)]
 
 
 def stream_input(builder: ChunkBuilder, layout: ChatLayout,
@@ -344,15 +348,15 @@ def vision_sample(builder: ChunkBuilder, cfg: TrainConfig, seed: int,
     len(SHAPES), len(COLOURS) for no object (chosen with probability vision_pretrain.empty)."""
     options = replace(cfg.stages[-1].options(), objects=(1, 1))
     scene = SceneStream(4, cfg.width, cfg.height, seed, options)
-    chunks = sampled_chunks(scene)
-    seen = [[scene.visible(t) for t in times] for _, times in chunks]
+    chunks = chunk_frames(scene)  # only the chosen chunk is rendered
+    seen = [[scene.visible(k / FPS) for k in frames] for frames in chunks]
     whole = [k for k, s in enumerate(seen) if all(s)]  # the object in both frames
     empty = [k for k, s in enumerate(seen) if not any(s)]
     rng = np.random.default_rng((seed, 5))
     pool = empty if empty and rng.random() < cfg.vision_pretrain.empty else whole
     k = pool[int(rng.integers(len(pool)))]
-    frames, times = chunks[k]
-    chunk = builder.build(frames, times, 0)
+    chunk = builder.build([scene.frame(i / FPS, i) for i in chunks[k]],
+                          [i / FPS for i in chunks[k]], 0)
     if not seen[k][0]:
         return chunk.pixel_values, chunk.grid_thw, len(SHAPES), len(COLOURS)
     colour, shape = seen[k][0][0]
