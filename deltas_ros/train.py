@@ -33,6 +33,7 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,38 @@ class VisionPretrain:
     batch: int = 32
     lr: float = 3e-3
     empty: float = 0.25  # share of chunks that show no object
+    tied: bool = False  # classify against the words' input embeddings (VisionHead)
+
+
+class VisionHead(torch.nn.Module):
+    """The vision phase's throwaway classifier: a chunk's pooled tokens (B, hidden) -> shape
+    logits (B, len(SHAPES) + 1) and colour logits (B, len(COLOURS) + 1), the last class of each
+    "nothing".
+
+    Untied: a linear layer. Tied: the classes are the language model's input embeddings of the
+    words that name them (`words()`: rows for SHAPES then COLOURS), by cosine similarity with
+    a learned scale, so that a chunk's tokens come out looking like the words for what it shows
+    (and those embeddings move towards them); "nothing" has vectors of its own.
+    """
+
+    def __init__(self, hidden: int, words: Callable[[], torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.words = words
+        if words is None:
+            self.linear = torch.nn.Linear(hidden, len(SHAPES) + 1 + len(COLOURS) + 1)
+        else:
+            self.nothing = torch.nn.Parameter(torch.randn(2, hidden) * 0.02)
+            self.scale = torch.nn.Parameter(torch.tensor(5.0))
+
+    def forward(self, pooled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(SHAPES)
+        if self.words is None:
+            logits = self.linear(pooled)
+            return logits[:, :n + 1], logits[:, n + 1:]
+        rows, unit = self.words(), F.normalize(pooled, dim=-1)
+        classes = (torch.cat([rows[:n], self.nothing[:1]]),
+                   torch.cat([rows[n:], self.nothing[1:]]))
+        return tuple(self.scale * unit @ F.normalize(c, dim=-1).T for c in classes)
 
 
 @dataclass
@@ -386,10 +419,16 @@ class Trainer:
             [{"params": decay, "weight_decay": cfg.weight_decay},
              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
         hidden = self.model.config.text_config.hidden_size
-        self.vision_head = torch.nn.Linear(hidden, len(SHAPES) + 1 + len(COLOURS) + 1).to(
-            self.device)
+        embeddings = self.model.model.language_model.embed_tokens.weight
+        word_ids = torch.tensor([self.tokenizer.convert_tokens_to_ids(f" {w}")
+                                 for w in (*SHAPES, *COLOURS)], device=self.device)
+        tied = cfg.vision_pretrain.tied
+        self.vision_head = VisionHead(hidden, (lambda: embeddings[word_ids]) if tied else None
+                                      ).to(self.device)
         self.vision_optim = torch.optim.AdamW(
-            [*self.model.model.visual.parameters(), *self.vision_head.parameters()],
+            [{"params": [*self.model.model.visual.parameters(),
+                         *self.vision_head.parameters()]},
+             {"params": [embeddings] if tied else [], "weight_decay": 0.0}],
             lr=cfg.vision_pretrain.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.vision_steps = 0
         self.step, self.elapsed_s, self.best = 0, 0.0, -1.0
@@ -439,8 +478,7 @@ class Trainer:
         self.model.train()
         tokens = self.model.model.visual(pixels, grid_thw=grids).pooler_output
         pooled = tokens.view(len(samples), -1, tokens.shape[-1]).mean(1)  # equal-sized chunks
-        logits = self.vision_head(pooled)
-        shape_logits, colour_logits = logits[:, :len(SHAPES) + 1], logits[:, len(SHAPES) + 1:]
+        shape_logits, colour_logits = self.vision_head(pooled)
         loss = F.cross_entropy(shape_logits, shapes) + F.cross_entropy(colour_logits, colours)
         self.vision_optim.zero_grad(set_to_none=True)
         loss.backward()

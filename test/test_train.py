@@ -101,6 +101,22 @@ def test_vision_samples_are_labelled_with_what_their_chunk_shows(scene_model):
     assert (len(SHAPES), len(COLOURS)) in labels and len(set(labels)) > 1
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_vision_phase_trains_the_tower_and_only_tied_the_words(tmp_path, tied):
+    """A vision step changes the vision tower; tied, also the input embeddings of the words
+    it classifies against (the spaced " circle" ... " red" the questions use), and no other."""
+    cfg = TrainConfig(**TINY | {"vision_pretrain": VisionPretrain(steps=1, batch=4, tied=tied)})
+    trainer = Trainer(cfg, tmp_path / "run")
+    embeddings = trainer.model.model.language_model.embed_tokens.weight
+    before = embeddings.detach().clone()
+    patch = trainer.model.model.visual.patch_embed.proj.weight.detach().clone()
+    trainer.vision_step()
+    assert not torch.equal(patch, trainer.model.model.visual.patch_embed.proj.weight)
+    changed = (before != embeddings.detach()).any(1).nonzero().flatten().tolist()
+    words = sorted(trainer.tokenizer.convert_tokens_to_ids(f" {w}") for w in (*SHAPES, *COLOURS))
+    assert changed == (words if tied else [])
+
+
 def test_train_checkpoint_export_and_resume(tmp_path):
     """Two steps (after the vision phase's two), resumed for a third, give the weights of three
     steps straight; the exported model loads through from_pretrained and carries its pixel
