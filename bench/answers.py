@@ -76,7 +76,7 @@ def stream_questions(events: list[dict], seed: int) -> list[QA]:
                 for form in ("colour", "shape", "seen", "when")]
         for _ in range(100):  # a negative "seen": drawn until the pair was not in the stream
             qa = make_question("seen", events, rng)
-            if qa.answer == "no":
+            if qa.answer.split()[-1] == "no":  # the verdict
                 qas.append(qa)
                 break
     qas += [make_question("appeared", events, rng), make_question("count", events, rng)]

@@ -7,7 +7,8 @@ answer; code here only makes training targets and scores what the model wrote.
     What appeared?                       a red circle and a blue square
     What color was the <shape>?          the circle was red
     Which shape was <color>?             a red circle
-    Did you see a <color> <shape>?       yes | no
+    Did you see a <color> <shape>?       the circle was red: yes | the circle was blue: no |
+                                         the circle was not seen: no
     When did the <color> <shape> appear? the red circle appeared at 12 seconds  (stream time)
     How many objects appeared?           two
 
@@ -41,7 +42,7 @@ NUMBERS = ("zero", "one", "two", "three")
 # Whole words that become single tokens of the scene model's tokenizer.
 DOMAIN_WORDS = (*COLOURS, *SHAPES, "yes", "no", "a", "and", "seconds", *NUMBERS, "What",
                 "appeared", "color", "was", "the", "Which", "shape", "Did", "you", "see", "When",
-                "did", "appear", "How", "many", "objects", "at")
+                "did", "appear", "How", "many", "objects", "at", "not", "seen")
 TIME_TEXT_PIECES = (" seconds>",)  # the tail of each chunk's "<t seconds>" time text
 WHEN_TOLERANCE_S = 1  # a "when" answer counts within this many whole seconds
 
@@ -82,9 +83,11 @@ def answer_for(form: str, events: list[dict], colour: str = "", shape: str = "")
         return describe(objects)
     if form == "count":
         return NUMBERS[len(objects)]
-    if form == "seen":
-        return "yes" if any(o["colour"] == colour and o["shape"] == shape
-                            for o in objects) else "no"
+    if form == "seen":  # what the shape was, then whether that is the colour asked
+        found = [o["colour"] for o in objects if o["shape"] == shape]
+        if not found:
+            return f"the {shape} was not seen: no"
+        return f"the {shape} was {found[0]}: {'yes' if found[0] == colour else 'no'}"
     match = [o for o in objects if (not shape or o["shape"] == shape)
              and (not colour or o["colour"] == colour)]
     if len(match) != 1:
@@ -137,7 +140,8 @@ def is_correct(qa: QA, text: str) -> bool:
 
     "appeared": the set of (colour, shape) pairs named; "colour", "shape", "when": the fact
     asked for (the one colour, the one shape, the whole second within WHEN_TOLERANCE_S), with
-    nothing named that the truth does not name; "seen", "count": word-exact.
+    nothing named that the truth does not name; "seen": the last yes or no (the verdict);
+    "count": word-exact.
     """
     said, truth = _words(text), _words(qa.answer)
     if qa.form == "appeared":
@@ -153,6 +157,9 @@ def is_correct(qa: QA, text: str) -> bool:
         numbers, true_second = [w for w in said if w.isdigit()], int(truth[-2])
         return (len(numbers) == 1 and only_truth
                 and abs(int(numbers[0]) - true_second) <= WHEN_TOLERANCE_S)
+    if qa.form == "seen":
+        verdicts = _named(said, ("yes", "no"))
+        return bool(verdicts) and verdicts[-1] == truth[-1]
     return said == truth
 
 

@@ -68,8 +68,9 @@ def test_answers_follow_the_forms():
     assert answer_for("count", events) == "two"
     assert answer_for("colour", events, shape="square") == "the square was blue"
     assert answer_for("shape", events, colour="red") == "a red circle"
-    assert answer_for("seen", events, "red", "circle") == "yes"
-    assert answer_for("seen", events, "blue", "circle") == "no"
+    assert answer_for("seen", events, "red", "circle") == "the circle was red: yes"
+    assert answer_for("seen", events, "blue", "circle") == "the circle was red: no"
+    assert answer_for("seen", events, "red", "triangle") == "the triangle was not seen: no"
     # The first sampled frame showing it is at 2.5 s: in the chunk whose time text says 2.
     assert answer_for("when", events, "red", "circle") == "the red circle appeared at 2 seconds"
     assert appear_second({"time": 9.0}) == 9
@@ -79,7 +80,7 @@ def test_answers_follow_the_forms():
     for qa in sample_questions(events, rng, 60, {f: 1 for f in FORMS}):
         assert qa.question in {TEMPLATES[qa.form].format(colour=c, shape=s)
                                for c in COLOURS for s in SHAPES}
-    seen = [make_question("seen", events, rng).answer for _ in range(200)]
+    seen = [make_question("seen", events, rng).answer.split()[-1] for _ in range(200)]
     assert 50 < seen.count("no") < 150  # negatives are asked too
 
 
@@ -96,6 +97,9 @@ def test_scoring_accepts_right_answers_only():
     assert is_correct(colour, "The circle was Red.") and is_correct(colour, "red")
     assert not is_correct(colour, "the circle was red blue")
     assert not is_correct(colour, "the square was red")  # the fact about another object
+    seen = QA("seen", "Did you see a blue circle?", "the circle was red: no")
+    assert is_correct(seen, "the circle was red: no") and is_correct(seen, "no")
+    assert not is_correct(seen, "the circle was red: yes") and not is_correct(seen, "red")
     shape = QA("shape", "Which shape was red?", "a red circle")
     assert is_correct(shape, "a red circle") and not is_correct(shape, "a red square")
     assert not is_correct(shape, "a blue circle")
