@@ -76,14 +76,13 @@ def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position
     visible = None if allowed is None else allowed.nonzero().squeeze(1)
     with backend.visible_slots(visible):
         seen = kv_tokens if visible is None else visible.numel()
-        with backend.attention_mass(seen) as mass:
+        with backend.attention_mass(seen) as mass:  # the question's and the answer's tokens
             hidden = backend.prefill_text(torch.tensor([ids]), positions)
-        if visible is not None:  # back to one entry per slot of the whole cache
-            mass = torch.zeros(kv_tokens).index_copy_(0, visible, mass)
-        evidence = evidence_chunks(slots, mass, evidence_count, allowed)
-        generated, stop = decode(backend, hidden, position + len(ids), limit, stop_ids,
-                                 deadline, on_token, cancelled)
-    return generated, evidence, stop
+            generated, stop = decode(backend, hidden, position + len(ids), limit, stop_ids,
+                                     deadline, on_token, cancelled)
+    if visible is not None:  # back to one entry per slot of the whole cache
+        mass = torch.zeros(kv_tokens).index_copy_(0, visible, mass)
+    return generated, evidence_chunks(slots, mass, evidence_count, allowed), stop
 
 
 def window_slots(slots: SlotTable, since: float | None, until: float | None) -> torch.Tensor:
@@ -109,8 +108,8 @@ def window_slots(slots: SlotTable, since: float | None, until: float | None) -> 
 
 def evidence_chunks(slots: SlotTable, mass: torch.Tensor, count: int,
                     allowed: torch.Tensor | None = None) -> list[int]:
-    """The `count` held chunks the question's attention mass (T,) per slot falls on most,
-    among the slots `allowed` (T,) bool (all when None).
+    """The `count` held chunks the attention mass (T,) per slot (of the question and its answer)
+    falls on most, among the slots `allowed` (T,) bool (all when None).
 
     Sized by the chunks held, not by the chunk counter (which may be large after a long run).
     """
