@@ -36,9 +36,10 @@ def test_every_transition_over_dds(big_model_dir, ros_env, tmp_path):
                     memory_dir=str(tmp_path), autosave_chunks="1000")
     tester = Tester()
     try:
+        # Up and spinning (its diagnostics come from the executor) before the first call.
+        tester.wait_for_status(lambda s: status_values(s)["lifecycle"] == "unconfigured", 120)
         assert tester.lifecycle_state() == "unconfigured"
         assert "not configured" in tester.ask("what do you see?").error
-        tester.wait_for_status(lambda s: status_values(s)["lifecycle"] == "unconfigured")
         assert tester.camera.get_subscription_count() == 0
 
         assert tester.transition("configure") and tester.lifecycle_state() == "inactive"
@@ -99,6 +100,7 @@ def test_autostart_false_and_a_refused_configure_stay_up(tmp_path, ros_env):
     process = start(tmp_path / "nothing-here", ros_env, autostart="false")
     tester = Tester()
     try:
+        tester.wait_for_status(lambda s: status_values(s)["lifecycle"] == "unconfigured", 120)
         assert tester.lifecycle_state() == "unconfigured"
         assert not tester.transition("configure")
         assert tester.lifecycle_state() == "unconfigured" and process.poll() is None

@@ -124,13 +124,14 @@ def test_replay_delivers_every_frame_in_order_at_rate(bag, rate, tmp_path, ros_e
     assert stats["published"] == {TOPIC: FRAMES}
     assert stats["loops"] == 1 and not stats["interrupted"]
     assert got["stamps"] == expected_stamps()
-    # The recorded time line, scaled: (FRAMES - 1) frame intervals. Never faster than the rate
-    # allows; slower only by a busy 2-core CI's delays: a stalled subscriber receives late, the
-    # replay itself is late only by its start and last frame (it schedules from its start), so
-    # it stays below 2x, where a replay ignoring the rate would be.
+    # The recorded time line, scaled: (FRAMES - 1) frame intervals. The replay is never faster
+    # than the rate allows and late only by its start and last frame (it schedules from its
+    # start), so it stays below 2x, where a replay ignoring the rate would be. The subscriber
+    # may receive later on a busy 2-core CI, never much later; it may also see a shorter span
+    # (a late first frame), so the pacing itself is checked on the replay's side.
     expected_s = (FRAMES - 1) / FPS / rate
     span_s = got["recv"][-1] - got["recv"][0]
-    assert 0.8 * expected_s < span_s < 3 * expected_s + 2
+    assert span_s < 3 * expected_s + 2
     assert 0.9 * expected_s < stats["wall_s"] < 2 * expected_s
     assert got["clock"] == 0
 
