@@ -309,3 +309,22 @@ def test_failures_are_named_and_client_mistakes_do_not_turn_error(running, monke
     level, message, values = session.health()
     assert level is Level.ERROR and "save failed" in message
     assert values["saves_failed"] == 1 and values["questions_failed"] == 0
+
+
+# ----------------------------------------------------------------------------- lifecycle
+def test_configure_refuses_with_a_reason_and_open_close_loads_and_frees(tiny_model_dir, tmp_path):
+    """Lifecycle configure without ROS: bad values and a missing model are refused with the
+    reason; open_memory loads the model; close stops the worker and lets go of the memory."""
+    values = VALUES | {"model_path": str(tiny_model_dir), "memory_dir": str(tmp_path)}
+    with pytest.raises(ValueError, match="budget_tokens"):
+        Session.configure(values | {"budget_tokens": 10})
+    with pytest.raises(FileNotFoundError, match="no model at"):
+        Session.configure(values | {"model_path": str(tmp_path / "none")})
+    session = Session.configure(values)
+    memory, problem = session.open_memory()
+    assert problem == "" and memory.chunks_seen == 0
+    session.attach(memory, lambda chunk, result: None)
+    assert session.ready and session.question_refusal("hello", 0) == session_module.NOT_ACTIVE
+    ended, freed = session.close(5.0)
+    assert ended and not session.ready and session.memory is None and session.worker is None
+    assert "rss" in freed
