@@ -14,7 +14,8 @@ bench/retention.py at budgets of --fractions of the stream's tokens. After the w
 same questions are asked in every condition, about events anywhere in it: per object its colour,
 its shape, "did you see" it (yes) and when it appeared; as many "did you see" about pairs that
 were not there (no: same shape or colour when possible); what appeared; how many. Answers are
-the model's greedy words, scored by questions.is_correct. 95 % Wilson intervals.
+the model's greedy words, scored by questions.is_correct. 95 % Wilson intervals. Also recorded:
+each answer's evidence times, and how often the strongest one lies at the event asked about.
 
     python -m bench.answers --streams 10 --out bench/results            # run + report
     python -m bench.answers --report a.jsonl b.jsonl --out bench/results # merge runs
@@ -67,24 +68,27 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def stream_questions(events: list[dict], seed: int) -> list[QA]:
-    """The questions every condition is asked about one stream (see the module docstring)."""
+def stream_questions(events: list[dict], seed: int) -> list[tuple[QA, list[float] | None]]:
+    """The questions every condition is asked about one stream (see the module docstring),
+    each with the [appear, leave] stream times of the one object it is about (None for
+    questions about none or all)."""
     rng = np.random.default_rng((seed, 11))
     qas = []
     for obj in objects_of(events):
-        qas += [make_question(form, events, rng, about=obj)
+        qas += [(make_question(form, events, rng, about=obj), [obj["time"], obj["end"]])
                 for form in ("colour", "shape", "seen", "when")]
         for _ in range(100):  # a negative "seen": drawn until the pair was not in the stream
             qa = make_question("seen", events, rng)
             if qa.answer.split()[-1] == "no":  # the verdict
-                qas.append(qa)
+                qas.append((qa, None))
                 break
-    qas += [make_question("appeared", events, rng), make_question("count", events, rng)]
+    qas += [(make_question("appeared", events, rng), None),
+            (make_question("count", events, rng), None)]
     return qas
 
 
 def run_condition(loaded: LoadedModel, chunks: list, qas: list[QA], config: MemoryConfig,
-                  pixel_diff: bool) -> list[tuple[QA, str]]:
+                  pixel_diff: bool) -> list[tuple[QA, str, list[float]]]:
     memory = StreamingMemory(loaded, config)
     baseline = PixelDiffPolicy()
     if pixel_diff:
@@ -94,7 +98,8 @@ def run_condition(loaded: LoadedModel, chunks: list, qas: list[QA], config: Memo
         baseline.next_score = pixel_difference(frames, previous)
         previous = frames
         memory.add_chunk(frames, times)
-    return [(qa, memory.ask(qa.question).text) for qa in qas]
+    asked = [memory.ask(qa.question) for qa in qas]
+    return [(qa, a.text, a.evidence_times) for qa, a in zip(qas, asked)]
 
 
 def conditions(args: argparse.Namespace, tokens: int, sinks: int) -> list[tuple[str, int, str]]:
@@ -119,7 +124,8 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                 scene = SceneStream(seconds, args.width, args.height, seed, EVAL_STAGE.options())
                 chunks = sampled_chunks(scene)
                 events = scene.events()
-                qas = stream_questions(events, seed)
+                asked = stream_questions(events, seed)
+                qas = [qa for qa, _ in asked]
                 tokens = sinks + sum(probe.builder.build(f, t, 0).num_tokens for f, t in chunks)
                 for name, budget, policy in conditions(args, tokens, sinks):
                     started = time.perf_counter()
@@ -128,15 +134,16 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                         policy="deltas" if policy == PIXEL_DIFF else policy, seed=seed,
                         pixel_budget=pixel_budget, max_new_tokens=24)
                     answers = run_condition(loaded, chunks, qas, config, policy == PIXEL_DIFF)
-                    for qa, text in answers:
+                    for (qa, text, evidence), (_, span) in zip(answers, asked):
                         out.write(json.dumps({
                             "multiple": multiple, "seconds": seconds, "seed": seed,
                             "condition": name, "budget": budget, "tokens": tokens,
                             "form": qa.form, "question": qa.question, "truth": qa.answer,
-                            "answer": text, "correct": is_correct(qa, text)}) + "\n")
+                            "answer": text, "correct": is_correct(qa, text),
+                            "evidence": evidence, "shown": span}) + "\n")
                     out.flush()
                     print(f"{seconds:4d} s seed {seed} {name:20s} "
-                          f"{sum(is_correct(q, t) for q, t in answers)}/{len(answers)} "
+                          f"{sum(is_correct(q, t) for q, t, _ in answers)}/{len(answers)} "
                           f"({time.perf_counter() - started:.1f} s)", flush=True)
 
 
@@ -152,14 +159,30 @@ def chunk_cost(loaded: LoadedModel, pixel_budget: int, chunks: int = 20) -> floa
     return float(np.median(times[2:]))
 
 
+EVIDENCE_SLACK_S = 1.0  # the top evidence chunk "at the event": within this of the object's span
+
+
+def evidence_at_event(record: dict) -> bool:
+    """Whether the answer's strongest evidence chunk lies in the asked object's visible span."""
+    t0, t1 = record["shown"]
+    return bool(record["evidence"]) and \
+        t0 - EVIDENCE_SLACK_S <= record["evidence"][0] <= t1 + EVIDENCE_SLACK_S
+
+
 def aggregate(records: list[dict]) -> dict[str, Any]:
-    """{condition: {multiple: {form or "target": [hits, n]}}}"""
+    """{condition: {multiple: {form or "target" or "evidence": [hits, n]}}}; "evidence": how
+    often the top evidence chunk lies at the event (questions about one object)."""
     table: dict[str, dict[str, dict[str, list[int]]]] = {}
     for r in records:
         cell = table.setdefault(r["condition"], {}).setdefault(str(r["multiple"]), {})
-        for key in (r["form"], "target") if r["form"] in TARGET_FORMS else (r["form"],):
+        keys = [(r["form"], r["correct"])]
+        if r["form"] in TARGET_FORMS:
+            keys.append(("target", r["correct"]))
+        if r.get("shown"):
+            keys.append(("evidence", evidence_at_event(r)))
+        for key, hit in keys:
             hits = cell.setdefault(key, [0, 0])
-            hits[0] += bool(r["correct"])
+            hits[0] += bool(hit)
             hits[1] += 1
     return table
 
@@ -182,10 +205,15 @@ def report(table: dict[str, Any], records: list[dict], seconds: float) -> str:
             for c in order if c in table]
     forms_rows = [[f"{form}"] + [cell(table.get(FULL, {}).get(str(m), {}).get(form))
                                  for m in multiples] for form in FORMS]
+    evidence_rows = [[c] + [cell(table[c].get(str(m), {}).get("evidence")) for m in multiples]
+                     for c in order if c in table]
     return ("Colour, shape and yes/no questions together, % correct (95 % Wilson interval):\n\n"
             + md_table(headers, rows)
             + "\nFull memory, per question form:\n\n" + md_table(["form"] + headers[1:],
-                                                                  forms_rows))
+                                                                  forms_rows)
+            + f"\nEvidence at the event: questions about one object whose strongest evidence "
+            f"chunk lies within {EVIDENCE_SLACK_S:g} s of the object's visible span, %:\n\n"
+            + md_table(headers, evidence_rows))
 
 
 def plot(table: dict[str, Any], out: Path, seconds: float) -> Path:

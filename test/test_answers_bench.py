@@ -41,3 +41,14 @@ def test_answers_bench_runs_every_condition(tmp_path):
     assert questions == [r["question"] for r in records if r["condition"] == "state"]
     assert (tmp_path / "answers.png").stat().st_size > 0
     assert "| full |" in (tmp_path / "answers.md").read_text()
+    about_one = [r for r in records if r["shown"]]
+    assert about_one and all(len(r["shown"]) == 2 and r["evidence"] for r in about_one)
+    assert all("evidence" in cell for cell in table["full"].values())
+
+
+def test_evidence_at_the_event_is_the_strongest_chunk_within_the_span():
+    record = {"shown": [4.2, 7.0], "evidence": [5.25, 12.25]}
+    assert answers.evidence_at_event(record)
+    assert not answers.evidence_at_event(record | {"evidence": [12.25, 5.25]})  # not the strongest
+    assert answers.evidence_at_event(record | {"evidence": [3.25]})  # within the slack
+    assert not answers.evidence_at_event(record | {"evidence": []})
