@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
-import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,11 +27,28 @@ def tiny_model(tiny_model_dir):
     return load_model(tiny_model_dir, device="cpu")
 
 
+# ROS domain ids that are safe on Linux (higher ids can collide with ephemeral ports).
+DOMAIN_IDS = range(1, 102)
+
+
+@pytest.fixture(scope="session")
+def new_domain_id() -> Callable[[], str]:
+    """Hands out a domain id no other test or module of this session has had (a run needs ~30).
+
+    Random ids once collided: a test then saw frames of another test's replay on its own topic
+    and signalled its replay before that had even started (rc -2, the CI flake of
+    test_replay_stops_cleanly_on_sigint). The start depends on the pid, so two suites run at
+    once on one machine are unlikely to overlap.
+    """
+    order = itertools.count(os.getpid())
+    return lambda: str(DOMAIN_IDS[next(order) % len(DOMAIN_IDS)])
+
+
 @pytest.fixture
-def ros_env(tmp_path, monkeypatch) -> dict[str, str]:
+def ros_env(tmp_path, monkeypatch, new_domain_id) -> dict[str, str]:
     """Environment for ROS processes of one test: its own domain id, log dir, loopback only."""
     env = {
-        "ROS_DOMAIN_ID": str(random.Random(os.getpid() ^ id(tmp_path)).randint(1, 100)),
+        "ROS_DOMAIN_ID": new_domain_id(),
         "ROS_LOG_DIR": str(tmp_path / "ros_log"),
         "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
         "FASTDDS_BUILTIN_TRANSPORTS": "LARGE_DATA",
@@ -43,8 +60,9 @@ def ros_env(tmp_path, monkeypatch) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ros_domain(tmp_path_factory) -> Iterator[dict[str, str]]:
-    env = {"ROS_DOMAIN_ID": str(random.Random(os.getpid()).randint(101, 200)),
+def ros_domain(tmp_path_factory, new_domain_id) -> Iterator[dict[str, str]]:
+    """Environment for one module's ROS processes, set in os.environ for in-process nodes too."""
+    env = {"ROS_DOMAIN_ID": new_domain_id(),
            "ROS_LOG_DIR": str(tmp_path_factory.mktemp("ros_log")),
            "ROS_HOME": str(tmp_path_factory.mktemp("ros_home")),  # memory_dir's default
            "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",

@@ -377,10 +377,10 @@ def test_save_after_reset_and_load_while_streaming_keep_the_stream(raw_node, ros
 
 
 @pytest.fixture
-def own_domain(ros_domain, monkeypatch) -> dict[str, str]:
+def own_domain(ros_domain, new_domain_id, monkeypatch) -> dict[str, str]:
     """ros_domain under another domain id, for a test that starts its own node: raw_node's node
     lives until the module ends and must not answer this test's calls under the same names."""
-    monkeypatch.setenv("ROS_DOMAIN_ID", str(201 + int(ros_domain["ROS_DOMAIN_ID"]) % 30))
+    monkeypatch.setenv("ROS_DOMAIN_ID", new_domain_id())
     return dict(os.environ)
 
 
