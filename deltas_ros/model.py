@@ -24,16 +24,6 @@ from transformers.utils import logging as transformers_logging
 from .backend import select_gated_delta_kernels
 from .chunks import DEFAULT_PIXEL_BUDGET
 
-# Re-exported: callers import the maker's functions from here too (cli.py, test/conftest.py).
-from .maker import (  # noqa: F401
-    config_from_file,
-    init_decay_like_trained,
-    make_model,
-    make_processor,
-    make_tokenizer,
-    tiny_config,
-)
-
 # The model shipped with the package (README "The shipped model"): used wherever a model path is
 # optional and left empty. MODEL_INFO_FILE beside a model's weights records how it was trained.
 SHIPPED_MODEL = Path(__file__).parent / "models" / "scenes-tiny"
