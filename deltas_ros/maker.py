@@ -128,12 +128,18 @@ def make_tokenizer(vision_start_id: int) -> Qwen3_5Tokenizer:
     return tokenizer
 
 
-def tiny_config() -> Qwen3_5Config:
-    """A Qwen3.5 small enough for CPU tests: 8 layers (6 Gated DeltaNet + 2 attention, 3:1)."""
+def tiny_config(text: dict | None = None, vision: dict | None = None,
+                vocab_size: int = 320) -> Qwen3_5Config:
+    """A Qwen3.5 small enough for CPU tests: 8 layers (6 Gated DeltaNet + 2 attention, 3:1).
+
+    `text` / `vision` override TINY_TEXT / TINY_VISION and `vocab_size` (rounded up to a
+    multiple of 16) makes room for added tokens: the trained scene model is built so.
+    """
     vs = TINY_VISION_START_ID
+    text = {**TINY_TEXT, **(text or {})}
     return Qwen3_5Config(
-        text_config=dict(TINY_TEXT, vocab_size=320, eos_token_id=vs - 7),
-        vision_config=dict(TINY_VISION, out_hidden_size=TINY_TEXT["hidden_size"]),
+        text_config=dict(text, vocab_size=math.ceil(vocab_size / 16) * 16, eos_token_id=vs - 7),
+        vision_config=dict(TINY_VISION, **(vision or {}), out_hidden_size=text["hidden_size"]),
         vision_start_token_id=vs,
         vision_end_token_id=vs + 1,
         image_token_id=vs + 3,
@@ -170,6 +176,15 @@ def init_decay_like_trained(model: Qwen3_5ForConditionalGeneration, seed: int) -
         module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
 
+def init_model(config: Qwen3_5Config, seed: int = 0) -> Qwen3_5ForConditionalGeneration:
+    """A random-init Qwen3.5 of `config` on the CPU, with the decay spread of fla's init."""
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = Qwen3_5ForConditionalGeneration(config)
+    init_decay_like_trained(model, seed)
+    return model
+
+
 def make_model(
     out_dir: str | Path,
     config: Qwen3_5Config | None = None,
@@ -179,10 +194,7 @@ def make_model(
     """Write a random-init Qwen3.5 model + tokenizer that `load_model` reads like real weights."""
     out_dir = Path(out_dir)
     config = config or tiny_config()
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = Qwen3_5ForConditionalGeneration(config).to(dtype)
-    init_decay_like_trained(model, seed)
+    model = init_model(config, seed).to(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer = make_tokenizer(config.vision_start_token_id)

@@ -7,6 +7,7 @@ Only transformers' public classes are used here (the kernels are chosen in `back
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from .chunks import DEFAULT_PIXEL_BUDGET
 # optional and left empty. MODEL_INFO_FILE beside a model's weights records how it was trained.
 SHIPPED_MODEL = Path(__file__).parent / "models" / "scenes-tiny"
 MODEL_INFO_FILE = "deltas_model.json"
+# Config entries written by save_pretrained that do not change what the model computes.
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "_name_or_path"}
 
 
 def default_model_path() -> Path:
@@ -98,3 +101,15 @@ def load_model(
     fla = select_gated_delta_kernels(model, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(model, tokenizer, path, torch_device, torch_dtype, fla)
+
+
+def config_sha256(config) -> str:
+    """sha256 of a model config's JSON with sorted keys, without the entries that do not change
+    what the model computes (library version, dtype, where it was loaded from)."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in _VOLATILE_CONFIG_KEYS}
+        return value
+
+    raw = json.loads(config.to_json_string(use_diff=False))
+    return hashlib.sha256(json.dumps(strip(raw), sort_keys=True).encode()).hexdigest()

@@ -12,7 +12,7 @@ holding JSON:
     format, format_version   "deltas_ros.memory", 3 (version 2 files, without poses, load too)
     created, created_unix    UTC ISO time and seconds since the epoch
     model                    {"name": model directory name (informative only),
-                              "config_sha256": see config_sha256,
+                              "config_sha256": see model.config_sha256,
                               "weights_sha256": see weights_sha256}: the model's identity is its
                              content, so a copy of the model under another name loads the file
     dtype                    the model's dtype (the KV cache's)
@@ -61,6 +61,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .memory import MemoryState, StreamingMemory
+from .model import config_sha256
 from .poses import Pose
 from .slots import MAX_CHUNKS
 from .state_check import expected_tensors
@@ -78,8 +79,6 @@ _FIELDS = {"created": str, "created_unix": (int, float), "model": dict, "dtype":
            "config": dict, "stream": dict, "extra": dict, "sha256": str}
 _MODEL_FIELDS = {"name": str, "config_sha256": str}
 _COUNTERS = ("next_position", "chunks_seen", "compactions", "kv_tokens")
-# Config entries that do not change what the model computes from a cached state.
-_VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "_name_or_path"}
 # safetensors' dtype codes of the dtypes a memory file holds.
 _DTYPE_CODES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64",
                 torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -192,18 +191,6 @@ def load_memory(memory: StreamingMemory, path: str | Path, key: bytes | None = N
     except ValueError as error:
         raise MemoryFileError(f"{path}: {error}") from error
     return metadata
-
-
-def config_sha256(config) -> str:
-    """sha256 of a model config's JSON with sorted keys, without the entries that do not change
-    what the model computes (library version, dtype, where it was loaded from)."""
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in _VOLATILE_CONFIG_KEYS}
-        return value
-
-    raw = json.loads(config.to_json_string(use_diff=False))
-    return hashlib.sha256(json.dumps(strip(raw), sort_keys=True).encode()).hexdigest()
 
 
 def weights_sha256(model: torch.nn.Module) -> str:

@@ -29,7 +29,6 @@ Checkpoints go to OUT/checkpoint.pt every few minutes and at the end; `--resume`
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections import deque
@@ -43,17 +42,15 @@ import torch
 import torch.nn.functional as F
 from tokenizers import AddedToken
 from tqdm import tqdm
-from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 from .backend import repeat_cache, select_gated_delta_kernels, training_cache
 from .chunks import ChunkBuilder
 from .maker import (
-    TINY_TEXT,
-    TINY_VISION,
     TINY_VISION_START_ID,
-    init_decay_like_trained,
+    init_model,
     make_processor,
     make_tokenizer,
+    tiny_config,
 )
 from .model import MODEL_INFO_FILE
 from .prompt import ChatLayout
@@ -169,8 +166,8 @@ class TrainConfig:
     pixel_budget: int = 8192
     forms: dict[str, float] = field(default_factory=lambda: {
         "colour": 3, "shape": 2, "seen": 3, "appeared": 1, "when": 1, "count": 1})
-    text: dict[str, Any] = field(default_factory=dict)  # overrides of model.TINY_TEXT
-    vision: dict[str, Any] = field(default_factory=dict)  # overrides of model.TINY_VISION
+    text: dict[str, Any] = field(default_factory=dict)  # overrides of maker.TINY_TEXT
+    vision: dict[str, Any] = field(default_factory=dict)  # overrides of maker.TINY_VISION
     stages: list[Stage] = field(default_factory=lambda: [Stage(10**9)])
     vision_pretrain: VisionPretrain = field(default_factory=VisionPretrain)
 
@@ -217,24 +214,10 @@ def scene_tokenizer():
     return tokenizer
 
 
-def scene_config(cfg: TrainConfig, vocab_size: int) -> Qwen3_5Config:
-    """model.tiny_config's layout (Gated DeltaNet + full attention 3:1) at the config's sizes."""
-    vs = TINY_VISION_START_ID
-    text = {**TINY_TEXT, **cfg.text}
-    vision = {**TINY_VISION, **cfg.vision}
-    return Qwen3_5Config(
-        text_config=dict(text, vocab_size=math.ceil(vocab_size / 16) * 16, eos_token_id=vs - 7),
-        vision_config=dict(vision, out_hidden_size=text["hidden_size"]),
-        vision_start_token_id=vs, vision_end_token_id=vs + 1, image_token_id=vs + 3,
-        video_token_id=vs + 4, tie_word_embeddings=False,
-    )
-
-
-def new_model(cfg: TrainConfig, tokenizer) -> Qwen3_5ForConditionalGeneration:
-    torch.manual_seed(cfg.seed)
-    model = Qwen3_5ForConditionalGeneration(scene_config(cfg, len(tokenizer)))
-    init_decay_like_trained(model, cfg.seed)
-    return model
+def new_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
+    """maker.tiny_config's layout (Gated DeltaNet + full attention 3:1) at the config's sizes,
+    with room for the scene tokenizer's added words."""
+    return init_model(tiny_config(cfg.text, cfg.vision, len(tokenizer)), cfg.seed)
 
 
 def export_model(model, tokenizer, out_dir: str | Path, pixel_budget: int,

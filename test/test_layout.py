@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "deltas_ros"
 # The ROS side: rclpy and generated interfaces allowed.
 ROS_SIDE = {"node", "memory_node", "ros_adapters", "ask_action", "memory_services", "ros_memory",
             "replay", "ask_client"}
-# Tools: command line, generators, offline runs, plots, the tiny-model maker.
-TOOLS = {"cli", "synth", "bag", "offline", "plot", "maker", "train"}
+# Tools: command line, generators, offline runs, plots, the tiny-model maker, training.
+TOOLS = {"cli", "synth", "bag", "offline", "plot", "maker", "train", "questions"}
 NODE = {"node", "memory_node", "ros_adapters", "ask_action", "memory_services", "ros_memory"}
 ROS_PACKAGES = ("rclpy", "rcl_interfaces", "builtin_interfaces", "std_msgs", "std_srvs",
                 "sensor_msgs", "diagnostic_msgs", "rosgraph_msgs", "geometry_msgs", "nav_msgs",
@@ -82,3 +82,9 @@ def test_only_the_backend_reaches_into_qwen3_5_modelling():
     users = {m for m in modules()
              if any(n.startswith("transformers.models") for n in imports(m))}
     assert users == {"backend"}
+
+
+def test_only_the_backend_loader_and_maker_name_transformers():
+    """An upgrade of transformers can only break these three (README "Architecture")."""
+    users = {m for m in modules() if "transformers" in (PACKAGE / f"{m}.py").read_text()}
+    assert users == {"backend", "model", "maker"}
