@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,13 @@ import pytest
 
 from deltas_ros import params
 from deltas_ros import session as session_module
+from deltas_ros.frames import FrameError, SampledChunk
 from deltas_ros.memory import StreamingMemory
 from deltas_ros.memory_files import MemoryFiles
 from deltas_ros.persist import load_memory
 from deltas_ros.session import (
     FRAME_ID_MAX,
+    LATENCY_WINDOW,
     NOT_READY,
     Level,
     Session,
@@ -309,6 +312,64 @@ def test_failures_are_named_and_client_mistakes_do_not_turn_error(running, monke
     level, message, values = session.health()
     assert level is Level.ERROR and "save failed" in message
     assert values["saves_failed"] == 1 and values["questions_failed"] == 0
+
+
+def test_health_warns_on_what_happened_since_the_last_report(running, tmp_path):
+    """The 1 Hz diagnostics rules without DDS: each WARN names its cause and clears at the next
+    report once the cause is gone; silence and inactivity hold while they last."""
+    level, message, _ = Session(VALUES, MemoryFiles(tmp_path / "m")).health()
+    assert (level, message) == (Level.WARN, "loading the model")
+    run = running(silence_warn_s=3600.0)
+    session = run.session
+    session.active = True
+    run.push(BASE, 2)
+    run.settle(2)
+    assert session.health()[:2] == (Level.OK, "ok")
+
+    def bad_frame() -> np.ndarray:
+        raise FrameError("unsupported encoding '16UC1'")
+
+    session.take_frame(BASE + 2.0, bad_frame, "camera")
+    level, message, values = session.health()
+    assert level is Level.WARN and "16UC1" in message and values["frames_bad"] == 1
+    assert session.health()[:2] == (Level.OK, "ok")  # nothing new since
+
+    run.worker.counters.chunks_dropped += 1  # what the worker counts when its queue overflows
+    assert session.health()[:2] == (Level.WARN, "model slower than real time: chunks dropped")
+    assert session.health()[0] is Level.OK
+
+    session.active = False
+    assert session.health()[:2] == (Level.WARN, "inactive: camera intake stopped, memory kept")
+    session.active = True
+    session.values = session.values | {"silence_warn_s": 0.01}
+    session.last_frame_wall = time.monotonic() - 5
+    level, message, _ = session.health()
+    assert level is Level.WARN and message.startswith("no camera frames for")
+
+
+def test_latency_is_the_median_of_the_last_chunks(running):
+    """chunk_latency_ms: median over the last LATENCY_WINDOW chunks (forward + signal +
+    eviction), so one slow chunk neither hides nor lingers; real_time_factor per chunk second."""
+    run = running()
+    session = run.session
+    run.push(BASE, 1)
+    run.settle(1)
+    result = session.last_result
+    assert result is not None
+
+    def done(ms: float) -> None:
+        session.chunk_done(SampledChunk(0, [], [BASE, BASE + 0.5], [0.0, 0.5]),
+                           replace(result, forward_ms=ms, signal_ms=0.0, evict_ms=0.0))
+
+    for _ in range(LATENCY_WINDOW):
+        done(10.0)
+    done(1000.0)  # one slow chunk: the median stays
+    values = session.health()[2]
+    assert values["chunk_latency_ms"] == "10.0"
+    assert values["real_time_factor"] == f"{10.0 / 1e3 / 1.0:.3f}"  # 2 frames at 2 fps: 1 s
+    for _ in range(LATENCY_WINDOW // 2 + 1):
+        done(40.0)  # the window moves on: the newer half decides
+    assert session.health()[2]["chunk_latency_ms"] == "40.0"
 
 
 # ----------------------------------------------------------------------------- lifecycle
