@@ -115,6 +115,9 @@ class MemoryNode(LifecycleNodeMixin, Node):
             return self._failed(f"cannot start: {error}")
         self.configuring.set()
         self.session = session  # not ready yet: the services answer "not ready"
+        # Said before the load (minutes for real weights): a log that stops here shows where.
+        self.get_logger().info(f"loading the model from {self.values['model_path']} "
+                               f"(device {self.values['device']}, dtype {self.values['dtype']})")
         try:
             memory, problem = session.open_memory()
         except RuntimeError as error:

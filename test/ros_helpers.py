@@ -246,3 +246,18 @@ def stop(process: subprocess.Popen, sig: int = signal.SIGINT) -> tuple[int, str]
 
 def indices(msgs: list[DriftScore]) -> list[int]:
     return [m.chunk_index for m in msgs]
+
+
+def make_slow_loading_model(out_dir: Path, layers: int = 512) -> Path:
+    """The tiny model, but `layers` deep (bf16, ~47 MB at 512): from_pretrained takes seconds
+    (8 s on a busy 2-core machine), as real weights take minutes, where the tiny model loads in
+    0.1 s, too quickly for a test to signal the node during the load."""
+    import torch
+
+    from deltas_ros.maker import make_model, tiny_config
+
+    config = tiny_config()
+    config.text_config.num_hidden_layers = layers
+    config.text_config.layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (
+        layers // 4)
+    return make_model(out_dir, config, dtype=torch.bfloat16)
