@@ -4,6 +4,8 @@ Not a test module (pytest does not collect it); test files import from here, nev
 other.
 """
 
+import time
+
 import numpy as np
 import torch
 
@@ -82,3 +84,12 @@ def fail_on_call(monkeypatch, owner, name: str, n: int, only=any_call) -> list[i
 
     monkeypatch.setattr(owner, name, failing)
     return calls
+
+
+def wait_until(predicate, timeout_s: float = 60.0) -> bool:
+    """Poll instead of sleeping a fixed time (CI machines are slow and busy); the caller asserts
+    the result, so a timeout fails where the condition is named."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(predicate())

@@ -23,6 +23,8 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState, GetState
 from rcl_interfaces.srv import SetParameters
+from rclpy.action import ActionClient
+from rclpy.action.client import ClientGoalHandle
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rosgraph_msgs.msg import Clock
@@ -200,6 +202,24 @@ class Tester:
         self.node.destroy_node()
         rclpy.try_shutdown(context=self.context)
         self.thread.join(2)
+
+
+def wait_future(future, timeout: float):
+    """The future's result; the Tester's executor thread completes it, so poll (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not future.done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+    return future.result()
+
+
+def send_goal(client: ActionClient, goal, timeout: float = 60.0,
+              feedback: list | None = None) -> ClientGoalHandle:
+    """The goal's handle once the server has accepted or rejected it (`handle.accepted`);
+    feedback messages are appended to `feedback` when given."""
+    assert client.wait_for_server(timeout_sec=30), "no ask action server"
+    on_feedback = None if feedback is None else (lambda msg: feedback.append(msg.feedback))
+    return wait_future(client.send_goal_async(goal, feedback_callback=on_feedback), timeout)
 
 
 def status_values(status: DiagnosticStatus) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import rclpy
 from deltas_ros.srv import MemoryFile
 from diagnostic_msgs.msg import DiagnosticStatus
-from engine_helpers import fail_on_call
+from engine_helpers import fail_on_call, wait_until
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.parameter import Parameter
 from ros_helpers import SMALL, Tester
@@ -64,20 +64,13 @@ def type_of(name: str) -> type:
 
 def wait_ready(tester: Tester, node: MemoryNode) -> None:
     """The model is loaded and the camera matched: frames sent before that would be lost."""
-    wait_until(lambda: node.session is not None and node.session.active
+    assert wait_until(lambda: node.session is not None and node.session.active
                and tester.camera.get_subscription_count() > 0)
 
 
 def statuses(tester: Tester) -> list[tuple[int, str]]:
     with tester.lock:
         return [(m.status[0].level, m.status[0].message) for m in tester.diagnostics]
-
-
-def wait_until(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_services_answer_not_ready_while_the_model_loads(tiny_model_dir, ros_env, monkeypatch):
@@ -92,17 +85,17 @@ def test_services_answer_not_ready_while_the_model_loads(tiny_model_dir, ros_env
     tester = Tester()
     try:
         with node_in_process(tiny_model_dir):
-            wait_until(lambda: tester.ask_client.service_is_ready())
+            assert wait_until(lambda: tester.ask_client.service_is_ready())
             assert tester.ask("what do you see?").error == NOT_READY
             assert tester.call(tester.reset_client, Trigger.Request()).message == NOT_READY
             save = tester.node.create_client(MemoryFile, "/deltas_memory/save_memory")
-            wait_until(save.service_is_ready)
+            assert wait_until(save.service_is_ready)
             assert tester.call(save, MemoryFile.Request()).message == NOT_READY
-            wait_until(lambda: statuses(tester))
+            assert wait_until(lambda: statuses(tester))
             assert statuses(tester)[-1] == (DiagnosticStatus.WARN, "loading the model")
 
             release.set()
-            wait_until(lambda: not tester.ask(" ").error.startswith("not ready"))
+            assert wait_until(lambda: not tester.ask(" ").error.startswith("not ready"))
             answer = tester.ask("what do you see?", timeout=120)
             assert answer.success, answer.error
     finally:
@@ -123,13 +116,13 @@ def test_a_chunk_that_runs_out_of_memory_turns_diagnostics_error_and_the_node_go
             assert calls[:3] == [1, 2, 3]
             assert [m.chunk_index for m in tester.drift][:4] == [0, 1, 3, 4]
             assert node.session.worker.counters.chunks_failed == 1
-            wait_until(lambda: any(level == DiagnosticStatus.ERROR for level, _ in
+            assert wait_until(lambda: any(level == DiagnosticStatus.ERROR for level, _ in
                                    statuses(tester)))
             error = next(m for lvl, m in statuses(tester) if lvl == DiagnosticStatus.ERROR)
             assert "chunk 2 failed" in error and "out of memory" in error
             # Still serving, and the ERROR clears once the hold has passed.
             assert tester.ask("what do you see?", timeout=120).success
-            wait_until(lambda: statuses(tester)[-1][0] == DiagnosticStatus.OK)
+            assert wait_until(lambda: statuses(tester)[-1][0] == DiagnosticStatus.OK)
             _, values = tester.last_status()
             assert values["chunks_failed"] == "1"
     finally:
@@ -158,7 +151,7 @@ def test_questions_asked_together_are_answered_before_waiting_chunks(tiny_model_
 
             memory.add_chunk, memory.ask = slow_chunk, logged_ask
             tester.stream(6.0, speed=2.0)  # six chunks in 3 s
-            wait_until(lambda: worker.queue_depth >= 2)
+            assert wait_until(lambda: worker.queue_depth >= 2)
             answers = []
             planners = [threading.Thread(target=lambda: answers.append(
                 tester.ask("what do you see?", timeout=120))) for _ in range(QUESTION_SLOTS)]
@@ -170,7 +163,7 @@ def test_questions_asked_together_are_answered_before_waiting_chunks(tiny_model_
             first = log.index("ask")
             # The chunks that were waiting come after the questions. (Not "all six chunks":
             # on a busy machine the in-process camera burst can lose frames, and so chunks.)
-            wait_until(lambda: "chunk" in log[first + QUESTION_SLOTS:], timeout_s=120)
+            assert wait_until(lambda: "chunk" in log[first + QUESTION_SLOTS:], timeout_s=120)
     finally:
         tester.close()
     assert log[first:first + QUESTION_SLOTS] == ["ask"] * QUESTION_SLOTS, log

@@ -1,6 +1,7 @@
 """The node's ROS-native memory over DDS, from another process: the ask action (feedback as
 tokens decode, cancel, memory bit-identical), a time-windowed question, chunk poses from a
-synthetic pose stream on DriftScore and as evidence, and the ~/memory_image topic."""
+synthetic pose stream on DriftScore and as evidence, the ~/memory_image topic, and goals
+rejected while the node is not active or its action slots are full."""
 
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ from ros_helpers import (
     SMALL,
     Tester,
     node_command,
+    send_goal,
     stamp_msg,
     status_values,
     stop,
+    wait_future,
 )
 from safetensors.torch import load_file
 from sensor_msgs.msg import Image
 
+from deltas_ros.ask_action import ACTION_SLOTS
 from deltas_ros.memory_image import GAP, LABEL_H, THUMB_H, THUMB_W
 from deltas_ros.poses import Pose
 
@@ -95,12 +99,10 @@ class MemoryTester(Tester):
              timeout: float = 120.0):
         """(status, result, feedback list) of one goal; cancelled after `cancel_after`
         feedback messages when given."""
-        assert self.action.wait_for_server(timeout_sec=30)
         feedback: list = []
-        sent = self.action.send_goal_async(
-            AskAction.Goal(question=question, max_new_tokens=max_new_tokens),
-            feedback_callback=lambda msg: feedback.append(msg.feedback))
-        handle = self.wait_future(sent, timeout)
+        handle = send_goal(self.action, AskAction.Goal(question=question,
+                                                       max_new_tokens=max_new_tokens),
+                           timeout, feedback)
         assert handle.accepted
         result = handle.get_result_async()
         if cancel_after is not None:
@@ -108,17 +110,9 @@ class MemoryTester(Tester):
             while len(feedback) < cancel_after and not result.done():
                 assert time.monotonic() < deadline, "no feedback in time"
                 time.sleep(0.01)
-            self.wait_future(handle.cancel_goal_async(), timeout)
-        response = self.wait_future(result, timeout)
+            wait_future(handle.cancel_goal_async(), timeout)
+        response = wait_future(result, timeout)
         return response.status, response.result, feedback
-
-    @staticmethod
-    def wait_future(future, timeout: float):
-        deadline = time.monotonic() + timeout
-        while not future.done():
-            assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.01)
-        return future.result()
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +207,40 @@ def test_memory_image_shows_the_retained_chunks(node):
         "DELTAS_MEMORY_IMAGE_PNG") else None
     if target:  # README's screenshot: `DELTAS_MEMORY_IMAGE_PNG=docs/memory_image.png pytest ...`
         cv2.imwrite(str(target), cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR))
+
+
+def test_goals_are_rejected_while_the_node_is_not_active(node):
+    """A planner gets an immediate no from an inactive node (deactivated, or configured without
+    autostart), not a goal that fails later; activating again accepts goals again."""
+    tester, _ = node
+    goal = AskAction.Goal(question="What did you see?", max_new_tokens=2)
+    assert tester.transition("deactivate") and tester.lifecycle_state() == "inactive"
+    try:
+        assert not send_goal(tester.action, goal).accepted
+    finally:
+        activated = tester.transition("activate")  # the module's node stays usable
+    assert activated and tester.lifecycle_state() == "active"
+    status, result, _ = tester.goal(goal.question, goal.max_new_tokens)
+    assert status == GoalStatus.STATUS_SUCCEEDED and result.success, result.message
+
+
+def test_a_goal_beyond_the_action_slots_is_rejected(node):
+    """ACTION_SLOTS long goals running (one decoding, the others waiting for the worker): the
+    next goal is rejected at once; a slot is free again when they end."""
+    tester, _ = node
+    feedback: list = []
+    long = AskAction.Goal(question="What did you see?", max_new_tokens=4096)
+    handles = [send_goal(tester.action, long, feedback=feedback) for _ in range(ACTION_SLOTS)]
+    assert all(handle.accepted for handle in handles)
+    results = [handle.get_result_async() for handle in handles]
+    tester.wait_for(lambda: feedback, timeout=60)  # the first one decodes
+    short = AskAction.Goal(question="What did you see?", max_new_tokens=2)
+    assert not send_goal(tester.action, short).accepted
+    for handle in handles:
+        wait_future(handle.cancel_goal_async(), 60)
+    # Both were still running when the extra goal came (cancelled, not finished): the queue
+    # was full, and nothing else made the server refuse it.
+    statuses = [wait_future(result, 120).status for result in results]
+    assert statuses == [GoalStatus.STATUS_CANCELED] * ACTION_SLOTS
+    status, result, _ = tester.goal(short.question, short.max_new_tokens)
+    assert status == GoalStatus.STATUS_SUCCEEDED and result.success, result.message

@@ -32,7 +32,7 @@ from deltas_ros.synth import synth_stream, write_synth_bag
 TOPIC = "/camera/image_raw"
 SECONDS, FPS = 6, 10.0
 # Small enough that the cache overflows within the bag, so eviction is part of every comparison.
-SMALL = {"pixel_budget": "4096", "budget_tokens": "64", "window_tokens": "24"}
+NODE_SMALL = {"pixel_budget": "4096", "budget_tokens": "64", "window_tokens": "24"}
 SMALL_ARGS = ["--pixel-budget", "4096", "--budget", "64", "--window", "24", "--quiet"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -205,9 +205,9 @@ def test_unreadable_input_is_a_one_line_error(case, bag, tiny_model_dir, tmp_pat
 
 def test_offline_run_and_the_live_node_are_one_engine(deltas_run, bag, tiny_model_dir, ros_env):
     offline = read_results(deltas_run[0]).chunks
-    process = subprocess.Popen(node_command(tiny_model_dir, TOPIC, reliable_qos="true", **SMALL),
-                               env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    command = node_command(tiny_model_dir, TOPIC, reliable_qos="true", **NODE_SMALL)
+    process = subprocess.Popen(command, env=ros_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
     tester = NodeTester(topic=TOPIC)
     try:
         tester.wait_ready(process)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_helpers import wait_until
 
 from deltas_ros import params
 from deltas_ros import session as session_module
@@ -37,13 +38,6 @@ VALUES = params.defaults() | {"model_path": "/models/tiny", "pixel_budget": 4096
 def frame(stamp: float) -> np.ndarray:
     """A texture that changes every second of stamp time, 48x64 RGB."""
     return np.random.default_rng(int(stamp) % 1000).integers(0, 256, (48, 64, 3), np.uint8)
-
-
-def wait_until(predicate, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
 
 
 class Running:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from engine_helpers import wait_until
 
 from deltas_ros.frames import SampledChunk
 from deltas_ros.worker import MemoryWorker
@@ -48,14 +49,6 @@ def chunk(i: int) -> SampledChunk:
                         stamps=[float(i), i + 0.5], times=[float(i), i + 0.5])
 
 
-def wait_until(predicate, timeout_s: float = 30.0) -> bool:
-    """Poll instead of sleeping a fixed time: CI machines are slow and busy."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
-
-
 def make_worker(memory: FakeMemory, queue: int = 4):
     done = []
     worker = MemoryWorker(memory, lambda c, r: done.append(c.index), queue_chunks=queue,
@@ -69,7 +62,7 @@ def test_chunks_are_processed_in_order():
     worker, done = make_worker(memory)
     for i in range(4):
         worker.submit_chunk(chunk(i))
-    wait_until(lambda: len(done) >= 4)
+    assert wait_until(lambda: len(done) >= 4)
     worker.stop()
     assert done == [0, 1, 2, 3] and worker.counters.chunks_processed == 4
 
@@ -83,7 +76,7 @@ def test_overflow_drops_the_oldest_waiting_chunks_and_counts_them():
     assert dropped == 3 and worker.counters.chunks_dropped == 3
     assert worker.queue_depth == 3
     memory.gate.set()
-    wait_until(lambda: len(done) >= 4)
+    assert wait_until(lambda: len(done) >= 4)
     worker.stop()
     assert done == [0, 4, 5, 6]  # the newest video is kept
 
@@ -123,7 +116,7 @@ def test_reset_keeps_its_place_among_chunks():
     worker.request_reset()
     worker.submit_chunk(chunk(1))
     memory.gate.set()
-    wait_until(lambda: len(memory.log) >= 3)
+    assert wait_until(lambda: len(memory.log) >= 3)
     worker.stop()
     assert memory.log == [("chunk", 0), ("reset",), ("chunk", 1)]
 
@@ -134,7 +127,7 @@ def test_a_failing_chunk_is_counted_and_the_worker_goes_on():
     worker, done = make_worker(memory)
     for i in range(3):
         worker.submit_chunk(chunk(i))
-    wait_until(lambda: len(done) >= 2)
+    assert wait_until(lambda: len(done) >= 2)
     worker.stop()
     assert done == [0, 2]
     assert worker.counters.chunks_failed == 1 and "out of memory" in worker.counters.last_error
@@ -320,7 +313,7 @@ def test_chunks_get_the_pose_at_their_stamp_and_questions_their_options():
     worker = MemoryWorker(memory, lambda c, r: None, poll_s=0.01,
                           pose_at=lambda stamp: f"pose at {stamp}")
     worker.submit_chunk(chunk(3))
-    wait_until(lambda: memory.poses)
+    assert wait_until(lambda: memory.poses)
     assert worker.ask("where?", 4, 10.0, since=1.0, until=None) == "answer to where?"
     worker.stop()
     assert memory.poses == [(3.5, "pose at 3.5")]
