@@ -130,7 +130,7 @@ class StreamingMemory:
         self.chunks_seen += 1
         self.next_position = chunk.next_position
         t4 = self.backend.now()
-        evicted = self._evict_if_over_budget()
+        evicted = self.evict_to_budget()
         t5 = self.backend.now()
         return ChunkResult(
             index=index, time=chunk.time, drift=drift, layer_drift=per_layer,
@@ -141,9 +141,9 @@ class StreamingMemory:
         )
 
     @torch.inference_mode()
-    def _evict_if_over_budget(self) -> int:
-        """Algorithm 1, lines 6-10, on the slots in arrival order. Returns how many slots were
-        evicted; a failure changes nothing (the backend reads every layer before it writes)."""
+    def evict_to_budget(self) -> int:
+        """Algorithm 1, lines 6-10 (after each chunk; also after lowering budget_tokens): slots
+        evicted. A failure changes nothing: the backend reads every layer before it writes."""
         total, cfg = self.kv_tokens, self.config
         if total <= cfg.budget_tokens:
             return 0

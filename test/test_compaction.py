@@ -54,7 +54,7 @@ def test_compacted_layout_is_a_fresh_stream_of_the_kept_chunks(tiny_model, monke
     keep = (~torch.isin(memory.slots.chunk, dropped)).nonzero().flatten()
     monkeypatch.setattr(memory_module, "select_keep", lambda *args: keep)
     memory.config.budget_tokens = keep.numel()
-    memory._evict_if_over_budget()
+    memory.evict_to_budget()
     freed = memory.compact_positions()
 
     fresh = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))

@@ -26,7 +26,7 @@ def test_eviction_equals_masking_the_evicted_slots(tiny_model):
     masked = copy.deepcopy(memory)
     total = memory.kv_tokens
     memory.config.budget_tokens = total - 60
-    evicted = memory._evict_if_over_budget()
+    evicted = memory.evict_to_budget()
     assert evicted == 60 and memory.kv_tokens == total - 60
 
     keep = torch.zeros(total, dtype=torch.bool)
