@@ -18,12 +18,23 @@ bag=${BAG:-$out/stream}
 offline_args=(--budget "${BUDGET:-80}" --window 14 --sinks 6)
 
 [ -d "$bag" ] || "$cli" synth "$bag" --scenes --duration 20 --fps 30 --width 640 --height 480
-# By default, a question about the first object of the generated stream.
-question=${QUESTION:-$(.venv/bin/python -c "import json, sys
-events = json.load(open(sys.argv[1]))['events']
-objects = [e for e in events if e['kind'] == 'object' and 'shape' in e]
-print(f\"What color was the {objects[0]['shape']}?\" if objects else 'What appeared?')" \
-  "$bag/events.json")}
+# By default, a question about the first object of the generated stream, and its true answer
+# from the generator's events (the model never sees them; it answers from its memory).
+mapfile -t default < <(.venv/bin/python -c "import json, os, sys
+from deltas_ros.questions import answer_for, objects_of
+events = json.load(open(sys.argv[1]))['events'] if os.path.isfile(sys.argv[1]) else None
+objects = [e for e in objects_of(events) if 'shape' in e] if events is not None else []
+if events is None:
+    print('What appeared?')
+    print('(unknown: no events.json beside the bag)')
+elif objects:
+    print(f\"What color was the {objects[0]['shape']}?\")
+    print(answer_for('colour', events, shape=objects[0]['shape']))
+else:
+    print('What appeared?')
+    print(answer_for('appeared', events))" "$bag/events.json")
+question=${QUESTION:-${default[0]}}
+truth=$([ -z "${QUESTION:-}" ] && echo "${default[1]}" || echo "(unknown for your question)")
 model_args=()
 run_model=()
 if [ -n "${MODEL:-}" ]; then
@@ -44,6 +55,7 @@ echo "== replaying $bag into /camera/image_raw"
 "$cli" replay "$bag" --wait 120 | tail -n 3
 echo "== asking: $question"
 "$cli" ask "$question" --wait-idle | tee "$out/answer.txt"
+echo "== the stream's truth: $truth"
 
 echo "== the same stream offline, per policy, at a budget of ${BUDGET:-80} tokens"
 for policy in deltas recency uniform; do
