@@ -1,17 +1,24 @@
 """ros_memory's message side without a ROS graph: pose_of for every pose_type a robot can feed
-(nav_msgs/Odometry from odometry, PoseWithCovarianceStamped from amcl, PoseStamped)."""
+(nav_msgs/Odometry from odometry, PoseWithCovarianceStamped from amcl, PoseStamped), and the
+evidence arrays of an answer, which always have equal lengths (zeros where unknown)."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
+from builtin_interfaces.msg import Time
+from deltas_ros.action import AskMemory as AskAction
+from deltas_ros.srv import AskMemory
 from geometry_msgs.msg import PoseStamped, PoseWithCovarianceStamped
 from nav_msgs.msg import Odometry
 
+from deltas_ros.memory_results import Answer
 from deltas_ros.poses import Pose, PoseBuffer
 from deltas_ros.ros_adapters import to_time_msg
-from deltas_ros.ros_memory import POSE_TYPES, pose_of
+from deltas_ros.ros_memory import POSE_TYPES, fill_answer, pose_of
+from deltas_ros.slots import SlotTable
 
 STAMP = 1_700_000_000.25
 
@@ -66,3 +73,66 @@ def test_a_synthetic_odometry_or_amcl_stream_interpolates(kind):
                                          (0.0, 0.0, 0.0, 1.0))))
     pose = buffer.at(STAMP + 0.25)
     assert pose.frame_id == "odom" and pose.position == pytest.approx((0.25, 0.0, 0.0))
+
+
+def slots_with(stamps: list[float | None], poses: list[Pose | None]) -> SlotTable:
+    """A slot table holding one two-slot chunk per entry, chunk i at stream time i s."""
+    table = SlotTable()
+    for chunk, (stamp, pose) in enumerate(zip(stamps, poses)):
+        table = table.append(float(chunk), chunk, torch.zeros(2),
+                             torch.arange(2 * chunk, 2 * chunk + 2).expand(3, -1),
+                             stamp=stamp, pose=pose)
+    return table
+
+
+def answer_of(slots: SlotTable, evidence: list[int]) -> Answer:
+    return Answer.from_evidence("a red cup", evidence, slots, memory_tokens=len(slots),
+                                latency_ms=1.0, generated_tokens=3)
+
+
+def seconds(stamp: Time) -> float:
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+@pytest.mark.parametrize("target", [AskMemory.Response, AskAction.Result])
+def test_evidence_arrays_have_equal_lengths_with_zeros_where_unknown(target):
+    """Every combination of known and unknown stamp and pose, in evidence order: one entry per
+    evidence chunk in each array; a zero stamp (0 s, 0 ns) where the stamp is unknown, an empty
+    frame_id and the default pose where the pose is unknown."""
+    here = Pose("map", (1.0, 2.0, 0.0), (0.0, 0.0, 0.6, 0.8))
+    slots = slots_with([STAMP, None, STAMP + 2, None], [here, here, None, None])
+    msg = target()
+    fill_answer(msg, answer_of(slots, [3, 0, 2, 1]))
+    assert msg.answer == "a red cup"
+    assert msg.evidence_times == pytest.approx([3.0, 0.0, 2.0, 1.0])
+    assert len(msg.evidence_stamps) == len(msg.evidence_poses) == 4
+    zero, default = Time(sec=0, nanosec=0), PoseStamped().pose
+    assert [msg.evidence_stamps[i] == zero for i in range(4)] == [True, False, False, True]
+    assert seconds(msg.evidence_stamps[1]) == pytest.approx(STAMP, abs=1e-6)
+    assert seconds(msg.evidence_stamps[2]) == pytest.approx(STAMP + 2, abs=1e-6)
+    for stamp, pose in zip(msg.evidence_stamps, msg.evidence_poses):
+        assert pose.header.stamp == stamp  # the pose is where the robot was at that stamp
+    frames = [pose.header.frame_id for pose in msg.evidence_poses]
+    assert frames == ["", "map", "", "map"]
+    for i in (0, 2):
+        assert msg.evidence_poses[i].pose == default
+    assert default.orientation.w == 1.0  # identity, a valid quaternion
+    p, q = msg.evidence_poses[1].pose.position, msg.evidence_poses[1].pose.orientation
+    assert (p.x, p.y, p.z, q.x, q.y, q.z, q.w) == (1.0, 2.0, 0.0, 0.0, 0.0, 0.6, 0.8)
+
+
+def test_an_answer_without_poses_still_has_one_pose_per_evidence_chunk():
+    """An Answer built without evidence_poses (no pose topic, its dataclass default) still
+    fills evidence_poses to the length of the other two arrays; no evidence: all three empty."""
+    answer = Answer(text="x", evidence_times=[4.0, 1.0], evidence_stamps=[STAMP, None],
+                    memory_tokens=8, span_start=0.0, span_end=4.0, latency_ms=1.0,
+                    generated_tokens=1)
+    msg = AskMemory.Response()
+    fill_answer(msg, answer)
+    assert len(msg.evidence_times) == len(msg.evidence_stamps) == len(msg.evidence_poses) == 2
+    assert [pose.header.frame_id for pose in msg.evidence_poses] == ["", ""]
+    assert msg.evidence_stamps[1] == Time() and msg.evidence_poses[1].header.stamp == Time()
+    empty = AskAction.Result()
+    fill_answer(empty, answer_of(slots_with([STAMP], [None]), []))
+    assert (len(empty.evidence_times), len(empty.evidence_stamps), len(empty.evidence_poses)) \
+        == (0, 0, 0)
