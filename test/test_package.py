@@ -1,10 +1,14 @@
 """The package itself: manifest, CMake, setup.py and the generated interfaces agree and work."""
 
+import json
 import re
+import shlex
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import pytest
 
 import deltas_ros
 
@@ -198,3 +202,41 @@ def test_setup_py_installs_the_ros_free_core_and_cli_into_a_plain_venv(tmp_path)
                              str(model)], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert (model / "config.json").exists() and (model / "tokenizer.json").exists()
+
+
+def setup_sh_configure_args(build: Path, venv: Path) -> list[str]:
+    """scripts/setup.sh's CMake configure command (read from the script, so the two cannot
+    drift apart), into `build`, with BUILD_TESTING switched on."""
+    script = (REPO / "scripts" / "setup.sh").read_text().replace("\\\n", " ")
+    line = next(line for line in script.splitlines()
+                if '"$venv/bin/cmake" -S . -B build' in line)
+    command = line.split(">")[0].replace("$root", str(REPO)).replace("$venv", str(venv))
+    args = shlex.split(command)[1:]  # without the cmake executable
+    assert "-DBUILD_TESTING=OFF" in args and args[:4] == ["-S", ".", "-B", "build"]
+    return ["-S", str(REPO), "-B", str(build)] + [
+        "-DBUILD_TESTING=ON" if arg == "-DBUILD_TESTING=OFF" else arg for arg in args[4:]]
+
+
+def test_colcon_test_registers_the_pytest_suite(tmp_path):
+    """`colcon test` runs ctest in the build folder: configured as scripts/setup.sh does but
+    with BUILD_TESTING=ON, ctest knows the pytest suite, run on this package's test/ folder
+    (listed, not run: the suite takes minutes)."""
+    venv = REPO / ".venv"
+    if not (venv / "bin" / "cmake").exists():
+        pytest.skip("no .venv from scripts/setup.sh (colcon configures the package itself)")
+    build = tmp_path / "build"
+    cmake = [str(venv / "bin" / "cmake"), *setup_sh_configure_args(build, venv)]
+    configure = subprocess.run(cmake, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert configure.returncode == 0, configure.stdout[-3000:] + configure.stderr[-3000:]
+    listed = subprocess.run([str(venv / "bin" / "ctest"), "--show-only=json-v1"], cwd=build,
+                            capture_output=True, text=True, timeout=60, check=True)
+    tests = {t["name"]: t for t in json.loads(listed.stdout)["tests"]}
+    assert list(tests) == ["deltas_ros_pytest"]
+    suite = tests["deltas_ros_pytest"]
+    command = suite["command"]
+    pytest_args = command[command.index("--command") + 1:]
+    assert pytest_args[:4] == [str(venv / "bin" / "python"), "-u", "-m", "pytest"]
+    assert Path(pytest_args[4]) == REPO / "test"
+    assert "OMP_NUM_THREADS=1" in command[command.index("--env"):command.index("--command")]
+    properties = {p["name"]: p["value"] for p in suite["properties"]}
+    assert Path(properties["WORKING_DIRECTORY"]) == REPO
