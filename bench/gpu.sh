@@ -41,8 +41,7 @@ elif command -v python3 > /dev/null && python3 -c "$need" 2>/dev/null; then
 else
   venv=${VENV:-/tmp/deltas-bench-venv}
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  grep -E '^(torch|torchvision|transformers|safetensors|numpy|opencv-python-headless|rosbags|mcap)==' \
-    requirements.txt > "$out/requirements-gpu.txt"
+  cp requirements-core.txt "$out/requirements-gpu.txt"  # no ROS: neither benchmark uses rclpy
   grep -o 'flash-linear-attention==[0-9.]*' setup.py >> "$out/requirements-gpu.txt"  # CUDA extra
   "$venv/bin/python" -m pip install --quiet -r "$out/requirements-gpu.txt"
   py=$venv/bin/python

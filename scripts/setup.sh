@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command set-up: a venv at .venv with pinned dependencies and this package built into it.
-# Safe and fast to re-run: pip runs only when requirements.txt changed, CMake only rebuilds what
+# Safe and fast to re-run: pip runs only when requirements*.txt changed, CMake only rebuilds what
 # changed. Python files are symlink-installed, so edits to deltas_ros/*.py need no rebuild.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 stamp=$venv/.requirements.sha256
-want=$(sha256sum requirements.txt | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-core.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   "$venv/bin/python" -m pip install --quiet -r requirements.txt

@@ -73,10 +73,11 @@ def test_rope_rotate_half_is_transformers_pairing():
 
 def test_supported_transformers_range_agrees_with_the_pin():
     """setup.py allows only the transformers minor release the backend's private names are pinned
-    against (above); requirements.txt pins a version inside that range, and it is installed."""
+    against (above); requirements-core.txt pins a version inside that range, and it is
+    installed."""
     setup = (REPO / "setup.py").read_text()
     allowed = SpecifierSet(re.search(r'"transformers([^"]+)"', setup).group(1))
-    pinned = re.search(r"^transformers==(\S+)$", (REPO / "requirements.txt").read_text(),
+    pinned = re.search(r"^transformers==(\S+)$", (REPO / "requirements-core.txt").read_text(),
                        re.MULTILINE).group(1)
     assert pinned in allowed and transformers.__version__ in allowed
     next_minor = Version(pinned).release[:2][0], Version(pinned).release[1] + 1

@@ -57,9 +57,18 @@ def test_cmake_setup_and_manifest_agree_on_name_version_and_dependencies():
 
 
 def test_every_import_is_declared():
-    """Third-party modules the package imports are in setup.py, requirements.txt and, by rosdep
-    key or by a comment saying why there is none, in package.xml."""
-    setup, pins = (REPO / "setup.py").read_text(), (REPO / "requirements.txt").read_text()
+    """Third-party modules the package imports are in setup.py, the pins and, by rosdep key or
+    by a comment saying why there is none, in package.xml. The pins a robot adds beside its own
+    ROS 2 (requirements-core.txt) hold no ROS wheel and no build tool; the development venv's
+    requirements.txt includes them."""
+    setup, dev = (REPO / "setup.py").read_text(), (REPO / "requirements.txt").read_text()
+    core = (REPO / "requirements-core.txt").read_text()
+    pins = dev + core
+    assert "\n-r requirements-core.txt\n" in dev
+    core_pins = [line.split("==")[0] for line in core.splitlines() if "==" in line]
+    assert not [p for p in core_pins if p.startswith("ros-") or p in ("cmake", "ninja")]
+    for dist in ("torch", "transformers", "numpy", "rosbags", "tqdm"):
+        assert dist in core_pins and f'"{dist}' in setup, dist
     xml = (REPO / "package.xml").read_text()
     for dist in ("tokenizers", "safetensors"):
         assert f'"{dist}"' in setup and f"\n{dist}==" in pins, dist
