@@ -211,15 +211,35 @@ class CameraSubscription:
         if self.subscription.get_publisher_count() and not self.silence_logged \
                 and silent_s > silence_warn_s:
             self.silence_logged = True
-            self.node.get_logger().warning(
-                f"a camera publisher is matched on {self.topic} but no frame arrived for "
-                f"{silent_s:.0f} s. Likely cause: large frames over a best-effort subscription "
-                "(Fast DDS's default transports drop them) or frames of another type. Fix: "
-                "reliable_qos:=true (or a reliable camera), or FASTDDS_BUILTIN_TRANSPORTS="
-                "LARGE_DATA on both sides")
+            self.node.get_logger().warning(self.silence_message(silent_s))
+
+    def silence_message(self, silent_s: float) -> str:
+        """Why a matched camera may deliver nothing, and the fix, for our reliability: over
+        best effort, large frames (lost by Fast DDS's default transports); over reliable, frames
+        would arrive, so the camera publishes nothing (DDS matches only the same message type).
+        reliable_qos:=true is not offered for best effort: a best-effort camera cannot match."""
+        head = f"a camera publisher is matched on {self.topic} but no frame arrived for " \
+            f"{silent_s:.0f} s. "
+        if self.reliable:
+            return head + ("Likely cause: the camera publishes nothing (reliable QoS delivers "
+                           "what is published). Check: ros2 topic hz " + self.topic)
+        return head + ("Likely cause: frames of ~0.9 MB and up (640x480 rgb8) over a best-effort "
+                       "subscription, which Fast DDS's default transports drop, or a camera that "
+                       "publishes nothing. Fix: FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA on both "
+                       "sides, or a reliable camera (followed unless the reliability override "
+                       "says best_effort)")
 
     def _on_incompatible(self, event) -> None:
+        """DDS refused to match a publisher (it never delivers): say which policy, and the fix
+        (only a forced reliable subscription can be incompatible in reliability)."""
+        try:
+            policy = QoSPolicyKind(int(event.last_policy_kind)).name.lower()
+        except (TypeError, ValueError):
+            policy = str(event.last_policy_kind)
+        ours = "reliable" if self.reliable else "best effort"
         self.node.get_logger().error(
-            f"camera QoS incompatible with ours (policy {event.last_policy_kind}): no frames "
-            "will arrive. With reliable_qos:=true a best-effort camera cannot match; check the "
-            "publisher's durability and reliability")
+            f"camera QoS incompatible with ours ({ours}) in {policy}: a publisher on "
+            f"{self.topic} is not matched, its frames will not arrive. A best-effort camera "
+            "cannot feed a reliable subscription: fix: leave reliable_qos false and the "
+            "reliability override unset (the node follows the camera), or make the camera "
+            "reliable; otherwise check the publisher's durability")

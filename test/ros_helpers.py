@@ -27,6 +27,7 @@ from rclpy.action import ActionClient
 from rclpy.action.client import ClientGoalHandle
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
+from rclpy.qos import QoSProfile
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CompressedImage, Image
 from std_srvs.srv import Trigger
@@ -71,7 +72,8 @@ class Tester:
     __test__ = False  # a helper, not a test class
 
     def __init__(self, namespace: str = "/deltas_memory", topic: str = "/camera/image_raw",
-                 compressed: bool = False) -> None:
+                 compressed: bool = False, camera_qos: QoSProfile | int = 50) -> None:
+        """camera_qos: the camera publisher's QoS (a depth: reliable, rclpy's default)."""
         self.context = rclpy.Context()
         rclpy.init(context=self.context)
         self.node = Node("tester", context=self.context)
@@ -79,7 +81,7 @@ class Tester:
         self.drift: list[DriftScore] = []
         self.diagnostics: list[DiagnosticArray] = []
         msg_type = CompressedImage if compressed else Image
-        self.camera = self.node.create_publisher(msg_type, topic, 50)
+        self.camera = self.node.create_publisher(msg_type, topic, camera_qos)
         self.clock = self.node.create_publisher(Clock, "/clock", 10)
         self.node.create_subscription(DriftScore, f"{namespace}/drift", self._on_drift, 100)
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 10)
@@ -262,6 +264,55 @@ def stop(process: subprocess.Popen, sig: int = signal.SIGINT) -> tuple[int, str]
         process.kill()
         _, err = process.communicate()
     return process.returncode, err
+
+
+class StderrLog:
+    """A node process's stderr, read on a thread from start to exit: wait for a line, count
+    lines, without the pipe filling up (a blocked writer would stall the node)."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process, self.lines, self.lock = process, [], threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+
+    def count(self, text: str) -> int:
+        with self.lock:
+            return sum(text in line for line in self.lines)
+
+    def text(self) -> str:
+        with self.lock:
+            return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 120.0) -> str:
+        """The first line with `text`, waiting at most `timeout` s for it."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                if found := next((line for line in self.lines if text in line), None):
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0 or self.process.poll() is not None and not self.thread.is_alive():
+                    raise AssertionError(f"no {text!r} in: {''.join(self.lines)[-3000:]}")
+                self.changed.wait(min(left, 0.5))
+
+    def stop(self, sig: int = signal.SIGINT) -> tuple[int, str]:
+        """Signal the process; (its return code, all of its stderr)."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.thread.join(10)
+        return self.process.returncode, self.text()
 
 
 def indices(msgs: list[DriftScore]) -> list[int]:

@@ -1,11 +1,15 @@
 """The camera subscription's QoS: rclpy's override parameters, the reliable_qos alias, and
-following the publisher when neither is given (one process, no model)."""
+following the publisher when neither is given (one process, no model); then over DDS with the
+node process, what it says when a camera is matched but silent, or cannot be matched."""
+
+import os
 
 import pytest
 import rclpy
 from rclpy.node import Node
 from rclpy.parameter import Parameter
-from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from ros_helpers import StderrLog, Tester, start
 from sensor_msgs.msg import Image
 
 from deltas_ros.ros_adapters import CameraSubscription, camera_topic
@@ -73,3 +77,69 @@ def test_the_relative_name_image_is_remappable(context):
     assert camera_topic(node, False, "/camera/image_raw") == "/camera/image_raw"
     node.destroy_node()
     rclpy.try_shutdown(context=plain)
+
+
+# Over DDS: the node process (tiny model) and a camera in this process.
+SILENT = "a camera publisher is matched on /camera/image_raw but no frame arrived"
+INCOMPATIBLE = "camera QoS incompatible with ours"
+
+
+@pytest.fixture
+def node_env(ros_env, tmp_path, monkeypatch) -> dict[str, str]:
+    """ros_env with memory_dir (under ROS_HOME) in tmp_path."""
+    monkeypatch.setenv("ROS_HOME", str(tmp_path / "ros_home"))
+    return dict(os.environ)
+
+
+@pytest.mark.parametrize("camera_qos,ours,cause", [
+    (50, "reliable", "the camera publishes nothing"),
+    (qos_profile_sensor_data, "best effort", "FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA"),
+])
+def test_a_matched_camera_that_sends_nothing_is_explained_once(tiny_model_dir, node_env,
+                                                               camera_qos, ours, cause):
+    """A camera publisher matched (the node follows its reliability) that delivers no frame for
+    silence_warn_s (2 s here): one warning, with the cause likely for our reliability and the
+    fix, not one a diagnostics tick."""
+    log = StderrLog(start(tiny_model_dir, node_env))
+    tester = Tester(camera_qos=camera_qos)
+    try:
+        tester.wait_ready(log.process)
+        line = log.wait_for(SILENT, timeout=60)
+        reports = len(tester.diagnostics)
+        # Four more diagnostics ticks, each of which calls follow() with the camera still silent.
+        tester.wait_for(lambda: len(tester.diagnostics) >= reports + 4, timeout=30)
+    finally:
+        tester.close()
+        code, err = log.stop()
+    assert code == 0, err[-3000:]
+    assert f"(Image, {ours} QoS)" in err  # matched: it followed the camera
+    assert cause in line, line
+    assert err.count(SILENT) == 1, err[-3000:]
+    assert INCOMPATIBLE not in err
+
+
+@pytest.mark.parametrize("override", [
+    {"reliable_qos": "true"},
+    {"qos_overrides./camera/image_raw.subscription.reliability": "reliable"},
+])
+def test_a_best_effort_camera_and_a_reliable_node_are_reported_incompatible(
+        tiny_model_dir, node_env, override):
+    """Forced reliable (the alias or rclpy's override parameter) against a best-effort camera:
+    DDS cannot match them, no frame can arrive, and the node says why (a matched-but-silent
+    warning would be wrong: nothing is matched)."""
+    log = StderrLog(start(tiny_model_dir, node_env, **override))
+    tester = None
+    try:
+        log.wait_for("listening to /camera/image_raw (Image, reliable QoS)")
+        tester = Tester(camera_qos=qos_profile_sensor_data)  # best effort, as many cameras
+        line = log.wait_for(INCOMPATIBLE, timeout=60)
+        reports = len(tester.diagnostics)  # a few ticks: a silence warning would show by now
+        tester.wait_for(lambda: len(tester.diagnostics) >= reports + 4, timeout=30)
+        assert tester.camera.get_subscription_count() == 0
+    finally:
+        if tester is not None:
+            tester.close()
+        code, err = log.stop()
+    assert code == 0, err[-3000:]
+    assert "(reliable) in reliability" in line and "leave reliable_qos false" in line, line
+    assert SILENT not in err
