@@ -16,6 +16,7 @@ from engine_helpers import (
 )
 
 from deltas_ros.memory import MemoryConfig, StreamingMemory, question_problem
+from deltas_ros.params import BY_NAME
 from deltas_ros.policy import POLICY_NAMES
 
 
@@ -216,6 +217,45 @@ def test_a_refused_question_changes_nothing(tiny_model):
     assert [r.layer_drift for r in later] == [r.layer_drift for r in reference]
     assert [r.positions_freed for r in later] == [r.positions_freed for r in reference]
     for a, b in zip(states(asked) + kv(asked), states(never) + kv(never)):
+        assert torch.equal(a, b)
+
+
+def test_a_question_of_2000_emoji_is_refused_by_its_tokens_before_anything_changes(
+        tiny_model, monkeypatch):
+    """Issue 13: 2000 emoji pass the node's max_question_chars (2000) but needed 4.4 GB of eager
+    attention on the real model. max_question_tokens (2048, default) refuses them with the
+    count, before a snapshot or a compaction the answer would have needed; the next chunks'
+    drift is bit-identical to a run that was never asked."""
+    max_chars = BY_NAME["max_question_chars"].default
+    question = "\N{GRINNING FACE}" * max_chars
+    assert question_problem(question, max_chars, wire=True) == ""  # the node's own check passes
+    config = MemoryConfig(budget_tokens=160, window_tokens=40, compact_margin=16, **TINY_FRAMES)
+    assert config.max_question_tokens == 2048
+    asked, never = StreamingMemory(tiny_model, config), StreamingMemory(tiny_model, config)
+    feed(asked, range(10))
+    feed(never, range(10))
+    tokens = len(asked.layout.question_ids(asked.tokenizer, question))
+    assert tokens > 2048  # 4 byte tokens an emoji in the tiny tokenizer, plus the chat template
+    # Room for the question and its answer only after a compaction (evictions left gaps).
+    room = asked.next_position + tokens + config.max_new_tokens - 1
+    assert asked.slots.compacted()[1] < asked.next_position
+    for memory in (asked, never):
+        memory.max_positions = room
+
+    def changed(*args, **kwargs) -> None:
+        raise AssertionError("the memory was touched before the question was refused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(asked, "_snapshot", changed)
+        patch.setattr(asked, "compact_positions", changed)
+        with pytest.raises(ValueError) as refused:
+            asked.ask(question)
+    assert str(refused.value) == f"the question has {tokens} tokens; the limit is 2048"
+    assert asked.compactions == 0
+    later, reference = feed(asked, range(10, 16)), feed(never, range(10, 16))
+    assert [r.layer_drift for r in later] == [r.layer_drift for r in reference]
+    assert [r.positions_freed for r in later] == [r.positions_freed for r in reference]
+    for a, b in zip(states(asked) + kv(asked), states(never) + kv(never), strict=True):
         assert torch.equal(a, b)
 
 
