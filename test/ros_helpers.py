@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import rclpy
+from deltas_ros.action import AskMemory as AskAction
 from deltas_ros.msg import DriftScore
 from deltas_ros.srv import AskMemory
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
@@ -92,6 +93,10 @@ class Tester:
         self.change_state_client = self.node.create_client(ChangeState,
                                                            f"{namespace}/change_state")
         self.get_state_client = self.node.create_client(GetState, f"{namespace}/get_state")
+        # Made before the spin thread starts: rclpy registers an action client with the node
+        # before it is fully built, and a spinning executor then fails on it (AttributeError
+        # '_lock' in the spin thread, which ends it: a CI failure, no diagnostics arrived).
+        self.action = ActionClient(self.node, AskAction, f"{namespace}/ask")
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self.thread = threading.Thread(target=self._spin, daemon=True)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from deltas_ros.action import AskMemory as AskAction
-from rclpy.action import ActionClient
 from ros_helpers import BASE_STAMP, Tester, indices, send_goal, start, status_values, stop
 
 from deltas_ros.maker import make_model, tiny_config
@@ -102,15 +101,14 @@ def test_autostart_false_and_a_refused_configure_stay_up(tmp_path, ros_env):
     goals are rejected while it is unconfigured."""
     process = start(tmp_path / "nothing-here", ros_env, autostart="false")
     tester = Tester()
-    action = ActionClient(tester.node, AskAction, "/deltas_memory/ask")
     goal = AskAction.Goal(question="what do you see?", max_new_tokens=2)
     try:
         tester.wait_for_status(lambda s: status_values(s)["lifecycle"] == "unconfigured", 120)
         assert tester.lifecycle_state() == "unconfigured"
-        assert not send_goal(action, goal).accepted
+        assert not send_goal(tester.action, goal).accepted
         assert not tester.transition("configure")
         assert tester.lifecycle_state() == "unconfigured" and process.poll() is None
-        assert not send_goal(action, goal).accepted
+        assert not send_goal(tester.action, goal).accepted
     finally:
         tester.close()
         code, err = stop(process)

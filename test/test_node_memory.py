@@ -19,7 +19,6 @@ from action_msgs.msg import GoalStatus
 from deltas_ros.action import AskMemory as AskAction
 from deltas_ros.srv import AskMemory, MemoryFile
 from geometry_msgs.msg import PoseStamped
-from rclpy.action import ActionClient
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from ros_helpers import (
     BASE_STAMP,
@@ -63,14 +62,14 @@ def assert_pose(msg: PoseStamped, stamp: float) -> None:
 
 
 class MemoryTester(Tester):
-    """Tester with a pose publisher, an ask action client and a memory image listener."""
+    """Tester with a pose publisher and a memory image listener (the action client is the
+    base Tester's, made before it spins)."""
 
     __test__ = False
 
     def __init__(self) -> None:
         super().__init__()
         self.pose_pub = self.node.create_publisher(PoseStamped, "/robot_pose", 100)
-        self.action = ActionClient(self.node, AskAction, "/deltas_memory/ask")
         self.images: list[Image] = []
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
