@@ -21,6 +21,7 @@ from deltas_ros.action import AskMemory as AskAction
 from deltas_ros.msg import DriftScore
 from deltas_ros.srv import AskMemory
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from engine_helpers import wait_until
 from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState, GetState
 from rcl_interfaces.srv import SetParameters
@@ -213,10 +214,7 @@ class Tester:
 
 def wait_future(future, timeout: float):
     """The future's result; the Tester's executor thread completes it, so poll (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not future.done():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+    assert wait_until(future.done, timeout), "timed out"
     return future.result()
 
 
@@ -325,15 +323,13 @@ def indices(msgs: list[DriftScore]) -> list[int]:
 
 
 def make_slow_loading_model(out_dir: Path, layers: int = 512) -> Path:
-    """The tiny model, but `layers` deep (bf16, ~47 MB at 512): from_pretrained takes seconds
-    (8 s on a busy 2-core machine), as real weights take minutes, where the tiny model loads in
-    0.1 s, too quickly for a test to signal the node during the load."""
+    """The tiny model, but `layers` deep (bf16, ~47 MB at 512): from_pretrained takes seconds,
+    as real weights take minutes, where the tiny model loads too quickly for a test to signal
+    the node during the load."""
     import torch
 
     from deltas_ros.maker import make_model, tiny_config
 
-    config = tiny_config()
-    config.text_config.num_hidden_layers = layers
-    config.text_config.layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (
-        layers // 4)
+    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
+    config = tiny_config(text={"num_hidden_layers": layers, "layer_types": layer_types})
     return make_model(out_dir, config, dtype=torch.bfloat16)
