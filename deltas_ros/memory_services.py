@@ -110,7 +110,8 @@ class MemoryServices:
                                                        lambda m: action(m, path))
             if result is not None:
                 response.success, response.chunks = True, result.chunks
-                response.message = f"{verb}ed {result.chunks} chunks ({result.kv_tokens} KV " \
+                done = "saved" if verb == "save" else "loaded"
+                response.message = f"{done} {result.chunks} chunks ({result.kv_tokens} KV " \
                     f"tokens; {result.discarded} waiting chunks discarded)"
         self.node.get_logger().info(f"{verb} {response.path}: {response.message}")
         return response

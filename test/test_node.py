@@ -352,6 +352,7 @@ def test_save_after_reset_and_load_while_streaming_keep_the_stream(raw_node, ros
     tester.wait_for(lambda: len(tester.drift) >= 3, timeout=120)
     saved = tester.call(save, MemoryFile.Request(path="three.safetensors"), timeout=120)
     assert saved.success and saved.chunks == 3, saved.message
+    assert saved.message.startswith("saved 3 chunks ("), saved.message
     tester.reset()
     empty = tester.call(save, MemoryFile.Request(path="empty.safetensors"), timeout=120)
     assert empty.success and empty.chunks == 0, empty.message
@@ -368,6 +369,7 @@ def test_save_after_reset_and_load_while_streaming_keep_the_stream(raw_node, ros
     tester.stream(3.0, start=BASE_STAMP - 99.0, on_frame=lambda i: i == 15 and loaded.append(
         tester.call(load, MemoryFile.Request(path="three.safetensors"), timeout=120)))
     assert loaded[0].success and loaded[0].chunks == 3, loaded[0].message
+    assert loaded[0].message.startswith("loaded 3 chunks ("), loaded[0].message
     final = tester.call(save, MemoryFile.Request(path="after.safetensors"), timeout=120)
     assert final.success and final.chunks >= 4, final.message  # the loaded 3, and more
     with tester.lock:
