@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -59,8 +60,19 @@ def decode(backend: Backend, hidden: torch.Tensor, position: int, limit: int,
     return generated, "limit"
 
 
+@dataclass
+class Evidence:
+    """How an answer's evidence is found: `count` chunks reported, the `candidates` attended to
+    most tested by leaving each out (0: attention mass only); restore() puts the backend back
+    as it was before the question (between the forwards of the test)."""
+
+    count: int
+    candidates: int
+    restore: Callable[[], None]
+
+
 def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position: int,
-                    limit: int, stop_ids: set[int], deadline: float, evidence_count: int,
+                    limit: int, stop_ids: set[int], deadline: float, evidence: Evidence,
                     allowed: torch.Tensor | None = None,
                     on_token: Callable[[list[int]], None] | None = None,
                     cancelled: Callable[[], bool] | None = None,
@@ -82,7 +94,60 @@ def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position
                                      deadline, on_token, cancelled)
     if visible is not None:  # back to one entry per slot of the whole cache
         mass = torch.zeros(kv_tokens).index_copy_(0, visible, mass)
-    return generated, evidence_chunks(slots, mass, evidence_count, allowed), stop
+    attended = evidence_chunks(slots, mass, max(evidence.candidates, evidence.count), allowed)
+    if not generated or not evidence.candidates or stop == "cancelled":
+        return generated, attended[:evidence.count], stop
+    evidence.restore()
+    drops = leave_one_out(backend, slots, ids, generated, position, attended, allowed,
+                          evidence.restore, deadline)
+    return generated, by_drop(attended, drops)[:evidence.count], stop
+
+
+def answer_log_prob(backend: Backend, ids: list[int], answer: list[int], position: int,
+                    visible: torch.Tensor | None) -> float:
+    """log p(answer | question `ids`, the slots `visible`): one teacher-forced forward of the
+    question and the answer at `position`. Changes the backend's states and KV."""
+    tokens = ids + answer
+    positions = torch.arange(position, position + len(tokens)).expand(3, 1, -1)
+    with backend.visible_slots(visible):
+        hidden = backend.prefill_text(torch.tensor([tokens]), positions)
+    return backend.log_prob(hidden[:, len(ids) - 1:-1], answer)
+
+
+def leave_one_out(backend: Backend, slots: SlotTable, ids: list[int], answer: list[int],
+                  position: int, candidates: list[int], allowed: torch.Tensor | None,
+                  restore: Callable[[], None], deadline: float) -> dict[int, float]:
+    """{chunk: how much hiding its slots from the full-attention layers lowers log p(answer)},
+    for the `candidates` (held chunks) in their order until `deadline` (perf_counter), as the
+    question saw the memory (`allowed`). One forward each (plus one with nothing hidden); the
+    backend is restored after each.
+
+    Why: attention mass points at the chunks a question reads, often the newest or the most
+    salient, not at the event the answer needs (README "The shipped model")."""
+    seen = torch.ones_like(slots.chunk, dtype=torch.bool) if allowed is None else allowed
+
+    def log_prob(hidden_chunk: int | None) -> float:
+        visible = seen if hidden_chunk is None else seen & (slots.chunk != hidden_chunk)
+        try:
+            return answer_log_prob(backend, ids, answer, position,
+                                   None if visible.all() else visible.nonzero().squeeze(1))
+        finally:
+            restore()
+
+    full = log_prob(None)
+    drops: dict[int, float] = {}
+    for chunk in candidates:
+        if time.perf_counter() > deadline:
+            break
+        drops[chunk] = full - log_prob(chunk)
+    return drops
+
+
+def by_drop(candidates: list[int], drops: dict[int, float]) -> list[int]:
+    """The tested candidates, largest drop first (ties keep their order), then the untested
+    ones in their order."""
+    tested = sorted(drops, key=drops.__getitem__, reverse=True)
+    return tested + [chunk for chunk in candidates if chunk not in drops]
 
 
 def window_slots(slots: SlotTable, since: float | None, until: float | None) -> torch.Tensor:

@@ -195,6 +195,13 @@ class Backend:
         """Greedy choice after the last of hidden (1, L, hidden)."""
         return int(self.model.lm_head(hidden[:, -1]).argmax(-1).item())
 
+    def log_prob(self, hidden: torch.Tensor, targets: list[int]) -> float:
+        """log p of `targets` (L,), each predicted from the hidden state (1, L, hidden) before it:
+        the sum of their log-softmax scores."""
+        scores = self.model.lm_head(hidden[0]).float().log_softmax(-1)
+        picked = scores.gather(1, torch.tensor(targets, device=self.device)[:, None])
+        return float(picked.sum())
+
     def step(self, token: int, position: int) -> torch.Tensor:
         """One decoding step of `token` at `position` (all three rows); returns (1, 1, hidden)."""
         return self.prefill_text(torch.tensor([[token]]), torch.full((3, 1, 1), position))

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .asking import accept_question, answer_question, window_slots
+from .asking import Evidence, accept_question, answer_question, window_slots
 from .backend import Backend, StateSnapshot
 from .chunks import Chunk, ChunkBuilder
 from .memory_config import (
@@ -218,10 +218,12 @@ class StreamingMemory:
         tokens = None if on_token is None else (
             lambda generated: on_token(self._text(generated), len(generated)))
         generated, evidence, stop = self._rolled_back_on_failure(
-            lambda _: answer_question(
+            lambda snapshot: answer_question(
                 self.backend, self.slots, ids, self.next_position, limit, self._stop_ids,
-                start + self.config.max_question_s, self.config.evidence_chunks, allowed,
-                tokens, cancelled),
+                start + self.config.max_question_s,
+                Evidence(self.config.evidence_chunks, self.config.evidence_candidates,
+                         lambda: self.backend.restore(snapshot.states)),
+                allowed, tokens, cancelled),
             QuestionFailed, "the question", restore_after=True)
         return Answer.from_evidence(
             self._text(generated), evidence, self.slots, memory_tokens=kv_before,

@@ -28,6 +28,10 @@ class MemoryConfig:
     answers; positions are compacted when a chunk would reach into them.
     max_question_tokens, max_answer_tokens: a question longer than this many tokens, or asking
     for a longer answer, is refused before anything changes (bounded work per request).
+    evidence_chunks, evidence_candidates: an answer's evidence is the `evidence_chunks` held
+    chunks whose leaving-out lowers the answer's likelihood most, among the
+    `evidence_candidates` the answer attended to most (one forward of the question and its
+    answer each); 0 candidates: the chunks attended to most (no extra forward).
     max_question_s: a question holds the worker at most this long; then it returns the answer
     so far, marked truncated, so the camera stream is not starved.
     eviction: "fill" moves only the evicted slots' replacements (O(evicted) per event; the slots
@@ -43,6 +47,7 @@ class MemoryConfig:
     pixel_budget: int = DEFAULT_PIXEL_BUDGET
     max_new_tokens: int = 64
     evidence_chunks: int = 3
+    evidence_candidates: int = 32
     compact_margin: int = 4096
     max_question_tokens: int = 2048
     max_answer_tokens: int = 4096
@@ -64,6 +69,8 @@ class MemoryConfig:
         if not 1 <= self.max_new_tokens <= self.max_answer_tokens:
             raise ValueError(f"max_new_tokens must be in [1, max_answer_tokens "
                              f"({self.max_answer_tokens})], got {self.max_new_tokens}")
+        if self.evidence_chunks < 1 or self.evidence_candidates < 0:
+            raise ValueError("evidence_chunks must be >= 1 and evidence_candidates >= 0")
         if not (math.isfinite(self.max_question_s) and self.max_question_s > 0):
             raise ValueError(f"max_question_s must be > 0, got {self.max_question_s}")
         if self.eviction not in ("fill", "gather"):

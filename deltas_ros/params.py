@@ -70,6 +70,9 @@ PARAMS: tuple[Param, ...] = (
     Param("max_new_tokens", 64, "Longest answer in tokens (a request may ask for fewer)",
           read_only=False, low=1, high=4096),
     Param("evidence_chunks", 3, "Chunks reported as an answer's evidence", low=1, high=64),
+    Param("evidence_candidates", 32,
+          "Chunks the answer attended to most that are each left out once to find the ones it "
+          "needs (one forward each; 0: attention mass only)", low=0, high=1024),
     Param("queue_chunks", 8,
           "Chunks waiting for the model at most; beyond it the oldest are dropped and counted",
           low=1, high=1000),
@@ -165,5 +168,6 @@ def memory_config(values: dict[str, Any]) -> MemoryConfig:
         pixel_budget=resolve_pixel_budget(values["pixel_budget"], values["model_path"]),
         max_new_tokens=values["max_new_tokens"],
         evidence_chunks=values["evidence_chunks"],
+        evidence_candidates=values["evidence_candidates"],
         max_question_s=values["max_question_s"],
     )

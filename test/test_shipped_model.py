@@ -49,6 +49,11 @@ def _memory(shipped, budget: int, policy: RetentionPolicy | None = None) -> Stre
     return memory
 
 
+def chunk_indices(memory: StreamingMemory, times: list[float]) -> set[int]:
+    """The held chunks at these stream times."""
+    return {int(memory.slots.chunk[memory.slots.time == t][0]) for t in times}
+
+
 def test_answer_comes_from_the_retained_chunks(shipped):
     assert STREAM_SEED < VALIDATION_SEEDS
     scene = SceneStream(SECONDS, 128, 96, STREAM_SEED, OPTIONS)
@@ -63,8 +68,10 @@ def test_answer_comes_from_the_retained_chunks(shipped):
     full = _memory(shipped, 10**6)
     for frames, times in chunks:
         full.add_chunk(frames, times)
-    answer = full.ask(question).text
-    assert is_correct(qa, answer), answer
+    reply = full.ask(question)
+    assert is_correct(qa, reply.text), reply.text
+    # Its strongest evidence is a chunk showing the object.
+    assert shown & chunk_indices(full, reply.evidence_times[:1]), (shown, reply.evidence_times)
 
     tokens = full.kv_tokens
     shown_tokens = int(sum((full.slots.chunk == k).sum() for k in shown))
@@ -89,3 +96,21 @@ def test_run_answers_without_a_model_argument(tmp_path, capsys):
     answer = next(line[3:] for line in out.splitlines() if line.startswith("A: "))
     assert is_correct(QA("colour", question, answer_for("colour", events, shape="circle")),
                       answer), answer
+
+
+def test_the_demo_question_has_its_evidence_at_the_event(shipped):
+    """The stream scripts/demo.sh makes (`deltas-ros synth --scenes --duration 20`: seed 0,
+    640x480) and its question, about the first object: the answer is right and its strongest
+    evidence is a chunk showing that object (by attention mass alone it was 13-18 s, the
+    triangle is in view 0-3.2 s)."""
+    scene = SceneStream(20, 640, 480, 0, SceneOptions())
+    first = objects_of(scene.events())[0]
+    question = f"What color was the {first['shape']}?"
+    memory = _memory(shipped, 10**6)
+    for frames, times in sampled_chunks(scene):
+        memory.add_chunk(frames, times)
+    reply = memory.ask(question)
+    assert is_correct(QA("colour", question, answer_for("colour", scene.events(),
+                                                        shape=first["shape"])), reply.text)
+    top = reply.evidence_times[0]
+    assert first["time"] - 0.5 <= top <= first["end"] + 0.5, (reply.evidence_times, first)
