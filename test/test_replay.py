@@ -17,6 +17,7 @@ from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image
 
+from deltas_ros import replay
 from deltas_ros.replay import replay_bag
 from deltas_ros.synth import write_synth_bag
 
@@ -237,6 +238,25 @@ def test_replay_stops_cleanly_on_sigint(bag, ros_env, moment, signum):
     assert stats["interrupted"]
     if subscribe:
         assert stats["published"][TOPIC] >= 5
+
+
+def test_a_stop_signal_during_a_publish_still_counts_that_frame(bag):
+    """The signal handler's KeyboardInterrupt waits for the frame's count (`_HELD`): a stop
+    between the publish and the count made the stats say 4 where 5 had been received."""
+    sent = []
+
+    class SignalledWhilePublishing:
+        def publish(self, data: bytes) -> None:
+            sent.append(data)
+            if len(sent) == 3:
+                replay._HELD.interrupt("SIGINT")  # as the handler does, mid-publish
+
+    stats = {"published": {TOPIC: 0}, "late_ms_max": 0.0}
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        replay._play_once(bag, 100.0, {TOPIC: SignalledWhilePublishing()}, None, None, stats)
+    assert stats["published"][TOPIC] == len(sent) == 3
+    with pytest.raises(KeyboardInterrupt):
+        replay._HELD.interrupt("SIGTERM")  # outside a publish: at once, nothing left pending
 
 
 def test_cli_replay_reports_a_missing_bag(tmp_path, ros_env):
