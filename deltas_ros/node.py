@@ -271,9 +271,12 @@ class MemoryNode(LifecycleNodeMixin, Node):
             else "active" if session.active else "inactive"
         device = str(session.memory.device) if session and session.ready \
             else self.values["device"]
+        # Publishers our camera subscription has matched (0: frames cannot arrive yet).
+        camera_publishers = 0 if self.camera is None \
+            else self.camera.subscription.get_publisher_count()
         self.diag_pub.publish(diagnostics_message(
             self.get_clock().now().to_msg(), f"{self.get_name()}: video memory", level, message,
-            device, {"lifecycle": lifecycle, **values}))
+            device, {"lifecycle": lifecycle, "camera_publishers": camera_publishers, **values}))
         if self.camera is not None:
             self.camera.follow(self.values["silence_warn_s"],
                                max(session.last_frame_wall, session.started_wall))

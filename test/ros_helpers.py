@@ -120,7 +120,10 @@ class Tester:
             self.diagnostics.append(msg)
 
     def wait_ready(self, process: subprocess.Popen, timeout: float = 180.0) -> None:
-        """Until the model is loaded: an empty question is refused as empty, not "not ready"."""
+        """Until the model is loaded (an empty question is refused as empty, not "not ready")
+        and the camera is matched both ways: discovery is asymmetric, and frames sent before
+        the node's subscription has matched our publisher are lost (a fresh node then started
+        its stream late: the CI flakes of the restart and out-of-memory tests)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -128,6 +131,8 @@ class Tester:
             if self.ask_client.service_is_ready() and self.camera.get_subscription_count():
                 try:
                     if "not ready" not in self.ask(" ", timeout=10).error:
+                        self.wait_for_status(lambda s: int(status_values(s).get(
+                            "camera_publishers", 0)) > 0, deadline - time.monotonic())
                         return
                 except AssertionError:  # no answer yet: a starting node can be that busy
                     pass

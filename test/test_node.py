@@ -189,6 +189,7 @@ def test_diagnostics_report_health_and_silence(raw_node):
                 "last_drift", "device", "model"):
         assert key in values
     assert values["budget_tokens"] == "120" and values["device"] == "cpu"
+    assert values["lifecycle"] == "active" and values["camera_publishers"] == "1"
     # The camera went silent: WARN once silence_warn_s (2 s) has passed.
     tester.wait_for_status(lambda s: s.level == DiagnosticStatus.WARN
                            and s.message.startswith("no camera frames"))

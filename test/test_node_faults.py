@@ -63,9 +63,11 @@ def type_of(name: str) -> type:
 
 
 def wait_ready(tester: Tester, node: MemoryNode) -> None:
-    """The model is loaded and the camera matched: frames sent before that would be lost."""
+    """The model is loaded and the camera matched both ways (discovery is asymmetric): frames
+    sent before the node's subscription has matched the tester's publisher are lost."""
     assert wait_until(lambda: node.session is not None and node.session.active
-               and tester.camera.get_subscription_count() > 0)
+                      and tester.camera.get_subscription_count() > 0
+                      and node.camera.subscription.get_publisher_count() > 0)
 
 
 def statuses(tester: Tester) -> list[tuple[int, str]]:
