@@ -78,8 +78,8 @@ def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position
                     cancelled: Callable[[], bool] | None = None,
                     ) -> tuple[list[int], list[int], str]:
     """Prefill the question `ids` at `position` and decode it (see `decode`): (generated ids,
-    evidence chunks, why decoding stopped). Changes the backend's states and KV: the caller
-    rolls them back.
+    evidence chunks (see `Evidence`), why decoding stopped). Changes the backend's states and
+    KV: the caller rolls them back.
 
     allowed (T,) bool: the slots the question may see (None: all); the others are left out of
     the full-attention layers for this question only, and hold no evidence."""
@@ -99,7 +99,7 @@ def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position
         return generated, attended[:evidence.count], stop
     evidence.restore()
     drops = leave_one_out(backend, slots, ids, generated, position, attended, allowed,
-                          evidence.restore, deadline)
+                          evidence.restore, deadline, cancelled)
     return generated, by_drop(attended, drops)[:evidence.count], stop
 
 
@@ -116,10 +116,12 @@ def answer_log_prob(backend: Backend, ids: list[int], answer: list[int], positio
 
 def leave_one_out(backend: Backend, slots: SlotTable, ids: list[int], answer: list[int],
                   position: int, candidates: list[int], allowed: torch.Tensor | None,
-                  restore: Callable[[], None], deadline: float) -> dict[int, float]:
+                  restore: Callable[[], None], deadline: float,
+                  cancelled: Callable[[], bool] | None = None) -> dict[int, float]:
     """{chunk: how much hiding its slots from the full-attention layers lowers log p(answer)},
-    for the `candidates` (held chunks) in their order until `deadline` (perf_counter), as the
-    question saw the memory (`allowed`). One forward each (plus one with nothing hidden); the
+    for the `candidates` (held chunks) in their order until `deadline` (perf_counter) or
+    `cancelled()`, as the question saw the memory (`allowed`). One forward each (plus one with
+    nothing hidden), each on a copy of the K/V without the chunk (as a windowed question); the
     backend is restored after each.
 
     Why: attention mass points at the chunks a question reads, often the newest or the most
@@ -137,7 +139,7 @@ def leave_one_out(backend: Backend, slots: SlotTable, ids: list[int], answer: li
     full = log_prob(None)
     drops: dict[int, float] = {}
     for chunk in candidates:
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline or cancelled is not None and cancelled():
             break
         drops[chunk] = full - log_prob(chunk)
     return drops

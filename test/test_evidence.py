@@ -98,3 +98,19 @@ def test_evidence_is_the_chunks_with_the_largest_drop(tiny_model, monkeypatch):
     assert sorted(reports[0].evidence_times) == sorted(reports[CHUNKS].evidence_times)
     ranked = sorted(seen[0], key=seen[0].__getitem__, reverse=True)
     assert reports[CHUNKS].evidence_times == [c + 0.25 for c in ranked]
+
+
+def test_a_cancel_stops_the_test_between_candidates(memory):
+    asked = []
+
+    def cancelled() -> bool:
+        asked.append(True)
+        return len(asked) > 2  # after two candidates
+
+    with torch.inference_mode():
+        snapshot = memory.backend.snapshot()
+        drops = leave_one_out(memory.backend, memory.slots, [1, 2], [3], memory.next_position,
+                              [4, 1, 2, 0], None, lambda: memory.backend.restore(snapshot),
+                              math.inf, cancelled)
+    assert list(drops) == [4, 1]
+    assert by_drop([4, 1, 2, 0], drops)[2:] == [2, 0]
