@@ -170,8 +170,9 @@ def evidence_at_event(record: dict) -> bool:
 
 
 def aggregate(records: list[dict]) -> dict[str, Any]:
-    """{condition: {multiple: {form or "target" or "evidence": [hits, n]}}}; "evidence": how
-    often the top evidence chunk lies at the event (questions about one object)."""
+    """{condition: {multiple: {form or "target" or "evidence" or "evidence:<form>": [hits,
+    n]}}}; "evidence": how often the top evidence chunk lies at the event (questions about one
+    object), also per form."""
     table: dict[str, dict[str, dict[str, list[int]]]] = {}
     for r in records:
         cell = table.setdefault(r["condition"], {}).setdefault(str(r["multiple"]), {})
@@ -179,7 +180,8 @@ def aggregate(records: list[dict]) -> dict[str, Any]:
         if r["form"] in TARGET_FORMS:
             keys.append(("target", r["correct"]))
         if r.get("shown"):
-            keys.append(("evidence", evidence_at_event(r)))
+            keys += [("evidence", evidence_at_event(r)),
+                     (f"evidence:{r['form']}", evidence_at_event(r))]
         for key, hit in keys:
             hits = cell.setdefault(key, [0, 0])
             hits[0] += bool(hit)
@@ -207,13 +209,19 @@ def report(table: dict[str, Any], records: list[dict], seconds: float) -> str:
                                  for m in multiples] for form in FORMS]
     evidence_rows = [[c] + [cell(table[c].get(str(m), {}).get("evidence")) for m in multiples]
                      for c in order if c in table]
+    evidence_forms = [[form] + [cell(table.get(FULL, {}).get(str(m), {}).get(f"evidence:{form}"))
+                                for m in multiples]
+                      for form in FORMS if any(f"evidence:{form}" in table.get(FULL, {}).get(
+                          str(m), {}) for m in multiples)]
     return ("Colour, shape and yes/no questions together, % correct (95 % Wilson interval):\n\n"
             + md_table(headers, rows)
             + "\nFull memory, per question form:\n\n" + md_table(["form"] + headers[1:],
                                                                   forms_rows)
             + f"\nEvidence at the event: questions about one object whose strongest evidence "
             f"chunk lies within {EVIDENCE_SLACK_S:g} s of the object's visible span, %:\n\n"
-            + md_table(headers, evidence_rows))
+            + md_table(headers, evidence_rows)
+            + "\nEvidence at the event with full memory, per question form, %:\n\n"
+            + md_table(["form"] + headers[1:], evidence_forms))
 
 
 def plot(table: dict[str, Any], out: Path, seconds: float) -> Path:

@@ -44,6 +44,8 @@ def test_answers_bench_runs_every_condition(tmp_path):
     about_one = [r for r in records if r["shown"]]
     assert about_one and all(len(r["shown"]) == 2 and r["evidence"] for r in about_one)
     assert all("evidence" in cell for cell in table["full"].values())
+    assert all("evidence:colour" in cell for cell in table["full"].values())
+    assert "per question form, %" in (tmp_path / "answers.md").read_text()
 
 
 def test_evidence_at_the_event_is_the_strongest_chunk_within_the_span():
