@@ -180,8 +180,8 @@ def aggregate(records: list[dict]) -> dict[str, Any]:
         if r["form"] in TARGET_FORMS:
             keys.append(("target", r["correct"]))
         if r.get("shown"):
-            keys += [("evidence", evidence_at_event(r)),
-                     (f"evidence:{r['form']}", evidence_at_event(r))]
+            at_event = evidence_at_event(r)
+            keys += [("evidence", at_event), (f"evidence:{r['form']}", at_event)]
         for key, hit in keys:
             hits = cell.setdefault(key, [0, 0])
             hits[0] += bool(hit)
@@ -209,10 +209,9 @@ def report(table: dict[str, Any], records: list[dict], seconds: float) -> str:
                                  for m in multiples] for form in FORMS]
     evidence_rows = [[c] + [cell(table[c].get(str(m), {}).get("evidence")) for m in multiples]
                      for c in order if c in table]
-    evidence_forms = [[form] + [cell(table.get(FULL, {}).get(str(m), {}).get(f"evidence:{form}"))
-                                for m in multiples]
-                      for form in FORMS if any(f"evidence:{form}" in table.get(FULL, {}).get(
-                          str(m), {}) for m in multiples)]
+    full = [table.get(FULL, {}).get(str(m), {}) for m in multiples]
+    evidence_forms = [[form] + [cell(per.get(f"evidence:{form}")) for per in full]
+                      for form in FORMS if any(f"evidence:{form}" in per for per in full)]
     return ("Colour, shape and yes/no questions together, % correct (95 % Wilson interval):\n\n"
             + md_table(headers, rows)
             + "\nFull memory, per question form:\n\n" + md_table(["form"] + headers[1:],

@@ -31,6 +31,11 @@ def accept_question(question: str, max_new_tokens: int | None, config: MemoryCon
     return limit
 
 
+def text_positions(start: int, length: int) -> torch.Tensor:
+    """(3, 1, length): text tokens at positions start.. on all three rotary rows."""
+    return torch.arange(start, start + length).expand(3, 1, -1)
+
+
 def decode(backend: Backend, hidden: torch.Tensor, position: int, limit: int,
            stop_ids: set[int], deadline: float,
            on_token: Callable[[list[int]], None] | None = None,
@@ -84,7 +89,7 @@ def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position
     allowed (T,) bool: the slots the question may see (None: all); the others are left out of
     the full-attention layers for this question only, and hold no evidence."""
     kv_tokens = backend.kv_tokens
-    positions = torch.arange(position, position + len(ids)).expand(3, 1, -1)
+    positions = text_positions(position, len(ids))
     visible = None if allowed is None else allowed.nonzero().squeeze(1)
     with backend.visible_slots(visible):
         seen = kv_tokens if visible is None else visible.numel()
@@ -108,7 +113,7 @@ def answer_log_prob(backend: Backend, ids: list[int], answer: list[int], positio
     """log p(answer | question `ids`, the slots `visible`): one teacher-forced forward of the
     question and the answer at `position`. Changes the backend's states and KV."""
     tokens = ids + answer
-    positions = torch.arange(position, position + len(tokens)).expand(3, 1, -1)
+    positions = text_positions(position, len(tokens))
     with backend.visible_slots(visible):
         hidden = backend.prefill_text(torch.tensor([tokens]), positions)
     return backend.log_prob(hidden[:, len(ids) - 1:-1], answer)

@@ -176,12 +176,13 @@ class Tester:
 
     def wait_for_frames(self, timeout: float = 120.0) -> None:
         """Until the node's diagnostics count every frame this tester published as received."""
-        def received() -> int:
-            if not self.diagnostics:
-                return 0
-            return int(status_values(self.diagnostics[-1].status[0]).get("frames_received", 0))
+        self.wait_for(lambda: int(self.newest_values().get("frames_received", 0))
+                      >= self.published, timeout)
 
-        self.wait_for(lambda: received() >= self.published, timeout)
+    def newest_values(self) -> dict[str, str]:
+        """The newest diagnostics report's values ({} before the first); the caller holds
+        self.lock."""
+        return status_values(self.diagnostics[-1].status[0]) if self.diagnostics else {}
 
     def stream(self, seconds: float, speed: float = 1.0, fps: float = 30.0,
                start: float = BASE_STAMP, make=None, on_frame=None) -> None:
@@ -209,8 +210,7 @@ class Tester:
                     return
             time.sleep(0.05)
         with self.lock:
-            newest = status_values(self.diagnostics[-1].status[0]) if self.diagnostics else {}
-            drift = len(self.drift)
+            newest, drift = self.newest_values(), len(self.drift)
         raise AssertionError(f"condition not reached in {timeout:g} s; {drift} drift messages, "
                              f"{self.published} frames published, the node's newest "
                              f"diagnostics: {newest}")

@@ -191,6 +191,9 @@ def test_config_is_validated():
         MemoryConfig(budget_tokens=100, window_tokens=200)
     with pytest.raises(ValueError, match="unknown policy"):
         MemoryConfig(policy="magic")
+    for bad in ({"evidence_chunks": 0}, {"evidence_candidates": -1}):
+        with pytest.raises(ValueError, match="evidence_chunks must be >= 1"):
+            MemoryConfig(**bad)
 
 
 # ------------------------------------------------------------------ requests refused first (13)

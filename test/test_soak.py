@@ -36,9 +36,7 @@ def chunks_accounted(tester: Tester) -> int:
     """Chunks processed, dropped (the model slower than the stream) or discarded (waiting when
     the load ended their stream) in the newest diagnostics report (the caller holds
     tester.lock). Counting only the first two failed whenever a chunk was waiting at the load."""
-    if not tester.diagnostics:
-        return 0
-    values = status_values(tester.diagnostics[-1].status[0])
+    values = tester.newest_values()
     return sum(int(values.get(key, 0)) for key in ACCOUNTED)
 
 
