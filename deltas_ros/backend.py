@@ -70,16 +70,12 @@ _RECORDING: ContextVar[tuple[list[torch.Tensor], Callable] | None] = ContextVar(
 class StateSnapshot:
     """The linear-attention states and the KV length at one moment: all a rollback needs.
 
-    recurrent/conv are views into buffers the backend reuses: a snapshot is valid until the
-    next `Backend.snapshot` (`generation` says which one; restore and drift refuse a stale one).
-    work (2, L, n) float32: work[1] holds the recurrent states (rows zero-padded to the largest),
-    work[0] is where `Backend.drift` puts the states after the chunk.
+    The states themselves sit in the backend's buffers (`_StateBuffers`, one snapshot row
+    reused from snapshot to snapshot): a snapshot is valid until the next `Backend.snapshot`
+    (`generation` says which one; restore and drift refuse a stale one).
     """
 
-    recurrent: list[torch.Tensor]
-    conv: list[torch.Tensor]
     kv_tokens: int
-    work: torch.Tensor
     generation: int
 
 
@@ -159,7 +155,7 @@ class Backend:
         self.cache = DynamicCache(config=text)
         self.fla_kernels = select_gated_delta_kernels(model, device)  # per instance; idempotent
         self.strength_fn: Callable = write_strength  # a benchmark may wrap it to time it
-        self._buffers: _SnapshotBuffers | None = None
+        self._buffers: _StateBuffers | None = None
         self._generation = 0
 
     def reset(self) -> None:
@@ -214,35 +210,38 @@ class Backend:
         return [self.cache.layers[i].conv_states[0] for i in self.linear]
 
     def snapshot(self) -> StateSnapshot:
-        """One multi-tensor copy of the recurrent states into the drift layout and one of the
-        conv states, into buffers reused from snapshot to snapshot (no allocation in steady
-        state). Invalidates the previous snapshot."""
-        recurrent, conv = self.recurrent_states(), self.conv_states()
-        buffers = self._buffers
-        if buffers is None or not buffers.fits(recurrent, conv):
-            buffers = self._buffers = _SnapshotBuffers(recurrent, conv)
-        torch._foreach_copy_(buffers.before, recurrent)
-        torch._foreach_copy_(buffers.conv, conv)
+        """Copy the states into the snapshot rows of their stacked buffers (`_StateBuffers`):
+        one copy when the conv states are float32 like the recurrent ones, else two.
+        Invalidates the previous snapshot."""
+        for buffer in self._state_buffers().buffers:
+            buffer[2].copy_(buffer[0])
         self._generation += 1
-        return StateSnapshot(buffers.before, buffers.conv, self.kv_tokens, buffers.work,
-                             self._generation)
+        return StateSnapshot(self.kv_tokens, self._generation)
 
     def drift(self, snap: StateSnapshot) -> tuple[float, list[float]]:
-        """State drift (Eq. 3) from `snap` to now: one multi-tensor copy of the states into
-        snap.work, then drift.stacked_drift (three ops, one host sync)."""
+        """State drift (Eq. 3) from `snap` to now: drift.stacked_drift on the stacked states
+        (three ops, one host sync; nothing is copied first)."""
         self._check_current(snap)
-        recurrent = self.recurrent_states()
-        if not self._buffers.fits(recurrent, self.conv_states()):
-            raise ValueError("the linear-attention states changed shape since the snapshot")
-        torch._foreach_copy_(self._buffers.after, recurrent)
-        return stacked_drift(snap.work)
+        return stacked_drift(self._state_buffers(adopt=False).recurrent)
 
     def restore(self, snap: StateSnapshot) -> None:
-        """Copy the states back and cut the KV cache to its length at the snapshot."""
+        """Copy the states back (one or two copies) and cut the KV cache to its length at the
+        snapshot."""
         self._check_current(snap)
-        torch._foreach_copy_(self.recurrent_states(), snap.recurrent)
-        torch._foreach_copy_(self.conv_states(), snap.conv)
+        for buffer in self._state_buffers(adopt=False).buffers:
+            buffer[0].copy_(buffer[2])
         self.truncate(snap.kv_tokens)
+
+    def _state_buffers(self, adopt: bool = True) -> _StateBuffers:
+        """The stacked buffers the cache's states live in; a new cache (after reset) has its
+        states moved in first (adopt), else RuntimeError."""
+        buffers = self._buffers
+        if buffers is None or not buffers.holds(self.cache, self.linear):
+            if not adopt:
+                raise RuntimeError("the linear-attention states were replaced since the "
+                                   "snapshot")
+            buffers = self._buffers = _StateBuffers(self.cache, self.linear)
+        return buffers
 
     def _check_current(self, snap: StateSnapshot) -> None:
         if snap.generation != self._generation:
@@ -439,31 +438,49 @@ def attention_mass_reference(queries: torch.Tensor, keys: torch.Tensor, scaling:
     return weights[0, :, :, :slots].float().sum((0, 1))
 
 
-class _SnapshotBuffers:
-    """The buffers snapshots and drift copy the linear-attention states into, with each layer's
-    view cut once (per-layer Python work would cost more than the copies at tiny sizes).
+class _StateBuffers:
+    """Where the cache's linear-attention states live, stacked so that the snapshot, the drift
+    and the rollback of all layers are one to three whole-buffer ops (per-layer work would cost
+    more than the data at tiny sizes).
 
-    work (2, L, n) float32, rows zero-padded to the largest state (the padding is never
-    written, so it adds nothing to a norm): after = views of work[0], before = of work[1];
-    conv: views of one (L, m) buffer of the conv states' dtype.
+    recurrent (3, L, n) float32, rows zero-padded to the largest state (padding is never
+    written, so it adds nothing to a norm): [0] the live states (the cache's state tensors are
+    views of its rows, which the model updates in place), [1] scratch for the drift's
+    difference, [2] the snapshot. The kernels keep their recurrent states in float32 too.
+    conv (3, L, m) of the conv states' dtype, rows [0] live and [2] snapshot. When that dtype is
+    float32 (a float32 model) both are column ranges of one (3, L, n + m) buffer, so a snapshot
+    or a rollback is a single copy; `buffers` lists the one or two buffers to copy.
     """
 
-    def __init__(self, recurrent: list[torch.Tensor], conv: list[torch.Tensor]) -> None:
-        self.key = _layout(recurrent, conv)
-        device = recurrent[0].device
-        self.work = torch.zeros(2, len(recurrent), max(s.numel() for s in recurrent),
-                                device=device)
-        conv_buffer = torch.zeros(len(conv), max(s.numel() for s in conv), dtype=conv[0].dtype,
-                                  device=device)
-        self.after, self.before = (_rows(half, recurrent) for half in self.work.unbind(0))
-        self.conv = _rows(conv_buffer, conv)
+    def __init__(self, cache: DynamicCache, linear: list[int]) -> None:
+        recurrent = [cache.layers[i].recurrent_states[0] for i in linear]
+        conv = [cache.layers[i].conv_states[0] for i in linear]
+        if any(state is None for state in recurrent + conv):
+            raise RuntimeError("the linear-attention states are not initialised yet")
+        device, n, m = recurrent[0].device, _widest(recurrent), _widest(conv)
+        if conv[0].dtype == torch.float32:
+            self.buffers = [torch.zeros(3, len(linear), n + m, device=device)]
+            self.recurrent, self.conv = self.buffers[0][..., :n], self.buffers[0][..., n:]
+        else:
+            self.buffers = [torch.zeros(3, len(linear), n, device=device),
+                            torch.zeros(3, len(linear), m, dtype=conv[0].dtype, device=device)]
+            self.recurrent, self.conv = self.buffers
+        self.live = _rows(self.recurrent[0], recurrent) + _rows(self.conv[0], conv)
+        torch._foreach_copy_(self.live, recurrent + conv)
+        for i, recurrent_view, conv_view in zip(linear, self.live, self.live[len(linear):]):
+            cache.layers[i].recurrent_states[0] = recurrent_view
+            cache.layers[i].conv_states[0] = conv_view
+        self.cache = cache
 
-    def fits(self, recurrent: list[torch.Tensor], conv: list[torch.Tensor]) -> bool:
-        return _layout(recurrent, conv) == self.key
+    def holds(self, cache: DynamicCache, linear: list[int]) -> bool:
+        """Whether `cache`'s states are still the views of these buffers (checked on the first
+        layer: the model updates every layer's states the same way, in place; test_backend
+        checks all of them after a stream)."""
+        return cache is self.cache and cache.layers[linear[0]].recurrent_states[0] is self.live[0]
 
 
-def _layout(*groups: list[torch.Tensor]) -> tuple:
-    return tuple((t.shape, t.dtype, t.device) for group in groups for t in group)
+def _widest(states: list[torch.Tensor]) -> int:
+    return max(state.numel() for state in states)
 
 
 def _rows(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -29,31 +29,33 @@ def state_drift(
     Returns (mean over layers, [ratio per layer]).
 
     Copies the states into the layout `stacked_drift` reads (rows zero-padded to the largest
-    state: zeros change no norm); the engine's snapshot writes that layout directly
-    (backend.Backend.snapshot). `state_drift_reference` is the layer-by-layer version.
+    state: zeros change no norm); the engine's states live in that layout
+    (backend._StateBuffers), so it copies nothing. `state_drift_reference` is the
+    layer-by-layer version.
     """
     _check(before, after)
     width = max(b.numel() for b in before)
-    work = torch.zeros(2, len(before), width, device=before[0].device)
+    work = torch.zeros(3, len(before), width, device=before[0].device)
     for row, a, b in zip(work.unbind(1), after, before):
         row[0, :a.numel()].copy_(a.reshape(-1))
-        row[1, :b.numel()].copy_(b.reshape(-1))
+        row[2, :b.numel()].copy_(b.reshape(-1))
     return stacked_drift(work)
 
 
 def stacked_drift(work: torch.Tensor) -> tuple[float, list[float]]:
-    """Eq. 3 for all layers in three ops and one host sync: work (2, L, n) float32 holds the
-    states after the chunk in work[0] (overwritten with the difference) and before it in work[1].
+    """Eq. 3 for all layers in three ops and one host sync: work (3, L, n) float32 holds the
+    states after the chunk in work[0] and before it in work[2]; work[1] is scratch.
 
-    One in-place subtraction, one norm over (2, L) rows, one transfer of the 2L norms. The
-    first-chunk rule needs no third norm: where the state before is zero the difference is the
-    state after, so "the state after is non-zero" is "the change is non-zero".
+    One subtraction into work[1], one norm over the (2, L) rows of the difference and the state
+    before, one transfer of the 2L norms; work[0] and work[2] are only read. The first-chunk
+    rule needs no third norm: where the state before is zero the difference is the state after,
+    so "the state after is non-zero" is "the change is non-zero".
     """
-    if work.dim() != 3 or work.shape[0] != 2 or work.dtype != torch.float32:
-        raise ValueError(f"need a (2, L, n) float32 work tensor, got {tuple(work.shape)} "
+    if work.dim() != 3 or work.shape[0] != 3 or work.dtype != torch.float32:
+        raise ValueError(f"need a (3, L, n) float32 work tensor, got {tuple(work.shape)} "
                          f"{work.dtype}")
-    work[0].sub_(work[1])
-    change, reference = torch.linalg.vector_norm(work, dim=-1).tolist()
+    torch.sub(work[0], work[2], out=work[1])
+    change, reference = torch.linalg.vector_norm(work[1:], dim=-1).tolist()
     per_layer = [c / r if r > 0 else float(c > 0) for c, r in zip(change, reference)]
     return sum(per_layer) / len(per_layer), per_layer
 

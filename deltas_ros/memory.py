@@ -51,11 +51,13 @@ __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState"
 
 
 class _Snapshot(NamedTuple):
-    """What a chunk or a question may change (the slot table is immutable: by reference)."""
+    """What a chunk or a question may change (the slot table is immutable: by reference), and
+    how long copying the states took (part of a chunk's signal_ms)."""
     states: StateSnapshot
     next_position: int
     chunks_seen: int
     slots: SlotTable
+    took_s: float
 
 
 class StreamingMemory:
@@ -104,13 +106,12 @@ class StreamingMemory:
         if freed:
             chunk = replace(chunk, position_ids=chunk.position_ids - freed,
                             next_position=chunk.next_position - freed)
-        t0 = self.backend.now()
         return self._rolled_back_on_failure(
-            lambda snapshot: self._ingest(chunk, stamp, snapshot, t0, freed, pose),
+            lambda snapshot: self._ingest(chunk, stamp, snapshot, freed, pose),
             ChunkFailed, f"chunk {self.chunks_seen}")
 
     def _ingest(
-        self, chunk: Chunk, stamp: float | None, snapshot: _Snapshot, t0: float, freed: int,
+        self, chunk: Chunk, stamp: float | None, snapshot: _Snapshot, freed: int,
         pose: Pose | None = None,
     ) -> ChunkResult:
         """Prefill, score and evict; may leave the memory half-updated if it raises."""
@@ -135,7 +136,7 @@ class StreamingMemory:
         return ChunkResult(
             index=index, time=chunk.time, drift=drift, layer_drift=per_layer,
             chunk_tokens=chunk.num_tokens, kv_tokens=self.kv_tokens, evicted_tokens=evicted,
-            forward_ms=(t2 - t1) * 1e3, signal_ms=((t1 - t0) + (t3 - t2)) * 1e3,
+            forward_ms=(t2 - t1) * 1e3, signal_ms=(snapshot.took_s + t3 - t2) * 1e3,
             evict_ms=(t5 - t4) * 1e3 if evicted else 0.0, stamp=stamp, positions_freed=freed,
             pose=pose,
         )
@@ -147,10 +148,11 @@ class StreamingMemory:
         total, cfg = self.kv_tokens, self.config
         if total <= cfg.budget_tokens:
             return 0
-        order = self.slots.arrival_order()
-        kept = order[select_keep(self.slots.time[order], self.slots.score[order],
-                                 cfg.budget_tokens, cfg.sink_tokens, cfg.window_tokens,
-                                 self.policy.buckets or cfg.buckets)]
+        order = self.slots.arrival_order().numpy()  # host bookkeeping in numpy (select_keep)
+        chosen = select_keep(self.slots.time.numpy()[order], self.slots.score.numpy()[order],
+                             cfg.budget_tokens, cfg.sink_tokens, cfg.window_tokens,
+                             self.policy.buckets or cfg.buckets)
+        kept = torch.from_numpy(order[chosen.numpy()])
         if cfg.eviction == "gather":  # the reference: every kept slot copied, in arrival order
             kept = kept.sort().values
             slots = self.slots.select(kept)
@@ -237,8 +239,10 @@ class StreamingMemory:
     def _snapshot(self) -> _Snapshot:
         """Everything a chunk or a question may change, at fixed size (the KV cache only by its
         length: it only grows at the end until an eviction, which replaces all layers at once)."""
-        return _Snapshot(self.backend.snapshot(), self.next_position, self.chunks_seen,
-                         self.slots)
+        start = self.backend.now()
+        states = self.backend.snapshot()
+        return _Snapshot(states, self.next_position, self.chunks_seen, self.slots,
+                         self.backend.now() - start)
 
     def _restore(self, snap: _Snapshot) -> None:
         self.backend.restore(snap.states)

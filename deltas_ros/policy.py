@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 POLICY_NAMES = ("deltas", "recency", "uniform", "random", "value_norm", "key_norm",
@@ -27,8 +28,8 @@ POLICY_NAMES = ("deltas", "recency", "uniform", "random", "value_norm", "key_nor
 
 
 def select_keep(
-    times: torch.Tensor,
-    scores: torch.Tensor,
+    times: torch.Tensor | np.ndarray,
+    scores: torch.Tensor | np.ndarray,
     budget: int,
     sinks: int = 4,
     window: int = 1024,
@@ -38,41 +39,44 @@ def select_keep(
 
     times:  (T,) arrival time of each slot's chunk, non-decreasing in slot order
     scores: (T,) retention score of each slot (higher is kept first; NaN counts as lowest)
+    Host tensors or arrays (the slot table lives on the host); the result is a host tensor.
 
-    Two sorts: because times never decrease along the slots, "newer chunk, then later slot" is
-    simply "later slot", so best-first is one stable sort by score of the candidates in reverse
-    slot order, and a stable sort of that order by bucket ranks each bucket. The result comes
-    from a keep mask, already sorted. `select_keep_reference` is the loop it is tested against.
+    Two stable sorts: because times never decrease along the slots, "newer chunk, then later
+    slot" is simply "later slot", so best-first is one stable sort by score of the candidates
+    in reverse slot order, and a stable sort of that order by bucket ranks each bucket. The
+    result comes from a keep mask, already sorted. In numpy: at a few thousand slots each op
+    costs about a microsecond, a torch op on the CPU several (the eviction's budget is 1 % of a
+    tiny model's forward). `select_keep_reference` is the loop it is tested against.
     """
-    total = times.numel()
-    _check_args(total, scores.numel(), budget, sinks, window, buckets)
-    device = times.device
+    times, scores = np.asarray(times), np.asarray(scores)
+    total = times.size
+    _check_args(total, scores.size, budget, sinks, window, buckets)
     if total <= budget:
-        return torch.arange(total, device=device)
-    candidates = torch.arange(total - window - 1, sinks - 1, -1, device=device)  # newest first
-    cand_scores = scores[candidates].float()
-    cand_scores = cand_scores.masked_fill(cand_scores.isnan(), -math.inf)  # ties with -inf
-    best_first = torch.sort(cand_scores, descending=True, stable=True).indices
+        return torch.arange(total)
+    candidates = np.arange(total - window - 1, sinks - 1, -1)  # newest first
+    cand_scores = scores[candidates].astype(np.float32)
+    cand_scores[np.isnan(cand_scores)] = -np.inf  # ties with -inf
+    best_first = np.argsort(-cand_scores, kind="stable")
     bucket = _bucket_of(times[candidates], buckets)
-    by_bucket = best_first[torch.sort(bucket[best_first], stable=True).indices]
+    by_bucket = best_first[np.argsort(bucket[best_first], kind="stable")]
 
     # Rank inside each bucket; the top `share` of each are kept.
-    counts = torch.bincount(bucket, minlength=buckets)
-    starts = torch.cumsum(counts, 0) - counts
+    counts = np.bincount(bucket, minlength=buckets)
+    starts = np.cumsum(counts) - counts
     ordered_bucket = bucket[by_bucket]
-    rank = torch.arange(by_bucket.numel(), device=device) - starts[ordered_bucket]
-    in_share = torch.zeros_like(cand_scores, dtype=torch.bool)
-    in_share[by_bucket] = rank < _shares(budget - sinks - window, buckets, device)[ordered_bucket]
+    rank = np.arange(by_bucket.size) - starts[ordered_bucket]
+    in_share = np.zeros(candidates.size, dtype=bool)
+    in_share[by_bucket] = rank < _shares(budget - sinks - window, buckets)[ordered_bucket]
 
     # Spare budget (buckets thinner than their share) goes to the best of the rest, any bucket.
-    spare = budget - sinks - window - in_share.sum()
-    rest = best_first[~in_share[best_first]]
-    keep = torch.zeros(total, dtype=torch.bool, device=device)
+    spare = budget - sinks - window - int(in_share.sum())
+    rest = best_first[~in_share[best_first]][:spare]
+    keep = np.zeros(total, dtype=bool)
     keep[:sinks] = True
     keep[total - window:] = True
     keep[candidates[in_share]] = True
-    keep[candidates[rest[torch.arange(rest.numel(), device=device) < spare]]] = True
-    return keep.nonzero().squeeze(1)
+    keep[candidates[rest]] = True
+    return torch.from_numpy(np.flatnonzero(keep))
 
 
 def select_keep_reference(
@@ -119,18 +123,19 @@ def _check_args(total: int, n_scores: int, budget: int, sinks: int, window: int,
         raise ValueError(f"budget {budget} must hold the sinks ({sinks}) + window ({window})")
 
 
-def _bucket_of(times: torch.Tensor, buckets: int) -> torch.LongTensor:
-    """Index of the equal stream-time span each time falls in."""
+def _bucket_of(times: np.ndarray, buckets: int) -> np.ndarray:
+    """Index of the equal stream-time span each time falls in (int16: numpy sorts it by radix).
+    """
     lo, hi = times.min(), times.max()
     if hi <= lo:
-        return torch.zeros_like(times, dtype=torch.long)
-    fraction = (times.double() - lo.double()) / (hi.double() - lo.double())
-    return (fraction * buckets).long().clamp_(max=buckets - 1)
+        return np.zeros(times.size, dtype=np.int16)
+    fraction = (times.astype(np.float64) - lo) / (float(hi) - float(lo))
+    return np.minimum((fraction * buckets).astype(np.int64), buckets - 1).astype(np.int16)
 
 
-def _shares(free: int, buckets: int, device: torch.device) -> torch.LongTensor:
+def _shares(free: int, buckets: int) -> np.ndarray:
     base, extra = divmod(free, buckets)
-    shares = torch.full((buckets,), base, dtype=torch.long, device=device)
+    shares = np.full(buckets, base, dtype=np.int64)
     shares[buckets - extra:] += 1  # the remainder goes to the newest buckets
     return shares
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from .poses import Pose
@@ -77,39 +78,43 @@ class SlotTable:
         """The table of the slots `keep` (sorted slot indices); stamps of dropped chunks go."""
         keep = keep.cpu()
         chunk = self.chunk[keep]
+        stamps, poses = self._held(chunk)
         return SlotTable(self.time[keep], self.score[keep], chunk, self.position[:, keep],
-                         self._held_stamps(chunk), self.arrival[keep], self.next_arrival,
-                         self._held_poses(chunk))
+                         stamps, self.arrival[keep], self.next_arrival, poses)
 
     def fill(self, holes: torch.Tensor, movers: torch.Tensor, size: int) -> SlotTable:
         """The table after the slots `movers` moved into `holes` and the cache was cut to
-        `size` slots (see `fill_plan`)."""
+        `size` slots (see `fill_plan`). In numpy, like the selection (policy.select_keep)."""
+        holes, movers = np.asarray(holes), np.asarray(movers)
 
-        def moved(row: torch.Tensor) -> torch.Tensor:  # out of place: one copy, one scatter
-            return row[..., :size].index_copy(-1, holes, row.index_select(-1, movers))
+        def moved(row: torch.Tensor) -> torch.Tensor:  # one copy, one scatter
+            data = row.numpy()
+            out = data[..., :size].copy()
+            out[..., holes] = data[..., movers]
+            return torch.from_numpy(out)
 
         chunk = moved(self.chunk)
+        stamps, poses = self._held(chunk)
         return SlotTable(moved(self.time), moved(self.score), chunk, moved(self.position),
-                         self._held_stamps(chunk), moved(self.arrival), self.next_arrival,
-                         self._held_poses(chunk))
+                         stamps, moved(self.arrival), self.next_arrival, poses)
 
     def moved(self, positions: torch.Tensor) -> SlotTable:
         """The table with new (3, T) positions (after a compaction)."""
         return replace(self, position=positions)
 
-    def _held_stamps(self, chunk: torch.Tensor) -> dict[int, float | None]:
-        held = set(chunk.unique().tolist())
-        return {c: s for c, s in self.stamps.items() if c in held}
-
-    def _held_poses(self, chunk: torch.Tensor) -> dict[int, Pose | None]:
-        held = set(chunk.unique().tolist())
-        return {c: p for c, p in self.poses.items() if c in held}
+    def _held(self, chunk: torch.Tensor) -> tuple[dict[int, float | None],
+                                                  dict[int, Pose | None]]:
+        """The stamps and poses of the chunks `chunk` (a new table's chunk row) still holds."""
+        held = set(np.unique(chunk.numpy()).tolist())
+        return ({c: s for c, s in self.stamps.items() if c in held},
+                {c: p for c, p in self.poses.items() if c in held})
 
     def arrival_order(self) -> torch.Tensor:
         """(T,) slot indices in arrival order (the identity while no eviction filled holes)."""
-        if self.arrival.numel() < 2 or bool((self.arrival.diff() > 0).all()):
+        arrival = self.arrival.numpy()
+        if arrival.size < 2 or bool((arrival[1:] > arrival[:-1]).all()):
             return torch.arange(len(self))
-        return self.arrival.argsort()
+        return torch.from_numpy(arrival.argsort(kind="stable"))
 
     def compacted(self) -> tuple[torch.Tensor, int]:
         """(3, T) gap-free positions per slot, laid out in arrival order (rope.py), and the
@@ -197,11 +202,11 @@ def fill_plan(kept: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tenso
 
     The cache shrinks to size = len(kept) slots; the evicted slots below `size` are holes, and
     the kept slots at or above `size` (as many) move into them: O(evicted) moves instead of
-    gathering every kept slot. Both are sorted (T,) int64 index tensors of equal length.
+    gathering every kept slot. Both are sorted (T,) int64 host index tensors of equal length.
     """
     size = kept.numel()
-    keep = torch.zeros(total, dtype=torch.bool)
-    keep[kept.cpu()] = True
-    holes = (~keep[:size]).nonzero().squeeze(1)
-    movers = keep[size:].nonzero().squeeze(1) + size
-    return holes, movers
+    keep = np.zeros(total, dtype=bool)
+    keep[kept.numpy()] = True
+    holes = np.flatnonzero(~keep[:size])
+    movers = np.flatnonzero(keep[size:]) + size
+    return torch.from_numpy(holes), torch.from_numpy(movers)

@@ -174,3 +174,47 @@ def test_only_the_backend_imports_transformers_qwen3_5():
     importers = sorted(p.name for p in (REPO / "deltas_ros").glob("*.py")
                        if "transformers.models" in p.read_text())
     assert importers == ["backend.py"]
+
+
+def test_the_states_live_in_the_stacked_buffers_and_the_model_updates_them_in_place(
+        tiny_model):
+    """The snapshot and the drift read the states where the model writes them: after chunks
+    and a question every layer's recurrent and conv state is still a view of the backend's
+    buffers (transformers' cache copies into its state tensors; an upgrade that reassigns them
+    fails here), holding what the model computed."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
+    feed(memory, range(3))
+    memory.ask("What is on the table?")
+    feed(memory, range(3, 5))
+    states = memory.backend._buffers
+    bases = {t.untyped_storage().data_ptr() for t in states.buffers}
+    live = memory.backend.recurrent_states() + memory.backend.conv_states()
+    assert all(s.untyped_storage().data_ptr() in bases for s in live)
+    assert all(a is b for a, b in zip(live, states.live))
+    twin = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
+    twin.import_state(memory.export_state())  # a fresh backend's states from the tensors
+    for a, b in zip(live, twin.backend.recurrent_states() + twin.backend.conv_states()):
+        assert torch.equal(a, b)
+
+
+def test_a_state_the_model_replaced_is_refused_not_read_stale(tiny_model):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
+    with torch.inference_mode():
+        snapshot = memory.backend.snapshot()
+        layer = memory.backend.cache.layers[memory.backend.linear[0]]
+        layer.recurrent_states[0] = layer.recurrent_states[0].clone()
+        with pytest.raises(RuntimeError, match="replaced"):
+            memory.backend.drift(snapshot)
+        with pytest.raises(RuntimeError, match="replaced"):
+            memory.backend.restore(snapshot)
+
+
+def test_a_reset_moves_the_new_cache_s_states_into_the_buffers(tiny_model):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
+    feed(memory, range(2))
+    old = memory.backend._buffers
+    memory.reset()
+    first = feed(memory, range(1))[0]
+    assert memory.backend._buffers is not old
+    fresh = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
+    assert feed(fresh, range(1))[0].layer_drift == first.layer_drift

@@ -111,9 +111,9 @@ def test_stacked_drift_equals_the_reference_for_any_shapes_zero_states_and_dtype
 
 def test_stacked_drift_rejects_a_wrong_layout():
     with pytest.raises(ValueError):
-        stacked_drift(torch.zeros(3, 2, 4))
+        stacked_drift(torch.zeros(2, 2, 4))
     with pytest.raises(ValueError):
-        stacked_drift(torch.zeros(2, 2, 4, dtype=torch.float64))
+        stacked_drift(torch.zeros(3, 2, 4, dtype=torch.float64))
 
 
 def test_engine_drift_from_its_snapshot_equals_the_reference(tiny_model):
