@@ -38,7 +38,7 @@ from deltas_ros.maker import config_from_file
 from deltas_ros.memory import MemoryConfig, StreamingMemory
 from deltas_ros.model import LoadedModel
 from deltas_ros.policy import POLICY_NAMES, select_keep
-from deltas_ros.slots import fill_plan
+from deltas_ros.slots import SlotTable, fill_plan
 from deltas_ros.synth import synth_stream
 
 from .common import (
@@ -151,10 +151,10 @@ def previous_signal(before: list[torch.Tensor], after: list[torch.Tensor]) -> li
                        (fresh > 0).float()).tolist()
 
 
-def micro(device: torch.device, dtype: torch.dtype, config_path: str, budget: int,
-          chunk_tokens: int, reps: int) -> dict[str, Any]:
-    """Signal and eviction on synthetic tensors of a config's real sizes (median of reps)."""
-    text = config_from_file(config_path).text_config
+def micro(device: torch.device, dtype: torch.dtype, text, budget: int, chunk_tokens: int,
+          reps: int, window: int = MICRO_WINDOW) -> dict[str, Any]:
+    """Signal and eviction on synthetic tensors of a text config's sizes (median of reps), run
+    back to back: with warm caches, unlike the same operations right after a forward."""
     state_shape = (1, text.linear_num_value_heads, text.linear_key_head_dim,
                    text.linear_value_head_dim)
     total = budget + chunk_tokens
@@ -167,8 +167,9 @@ def micro(device: torch.device, dtype: torch.dtype, config_path: str, budget: in
     cache = [torch.randn(kv_shape, device=device, dtype=dtype)
              for _ in range(2 * text.layer_types.count("full_attention"))]
     slot_chunk = torch.arange(total) // chunk_tokens
-    slot_time = slot_chunk.double()
-    slot_score = torch.rand(int(slot_chunk[-1]) + 1)[slot_chunk]
+    table = SlotTable(slot_chunk.double(), torch.rand(int(slot_chunk[-1]) + 1)[slot_chunk],
+                      slot_chunk, torch.arange(total).expand(3, -1).clone(),
+                      arrival=torch.arange(total), next_arrival=total)
 
     def stacked(states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A (3, L, n) buffer and the live-state views of its row 0 (as backend._StateBuffers:
@@ -199,12 +200,11 @@ def micro(device: torch.device, dtype: torch.dtype, config_path: str, budget: in
         t2 = now(device)
         previous_signal([s.clone() for s in before], after)
         t2b = now(device)
-        keep = select_keep(slot_time, slot_score, budget, MICRO_SINKS, MICRO_WINDOW,
-                           MICRO_BUCKETS)
+        keep = select_keep(table.time, table.score, budget, MICRO_SINKS, window, MICRO_BUCKETS)
         t3 = now(device)
         keep_dev = keep.to(device)
         kept = [t.index_select(-2, keep_dev) for t in cache]
-        slots = (slot_time[keep], slot_score[keep], slot_chunk[keep].unique().tolist())
+        slots = table.select(keep)
         t4 = now(device)
         del kept, slots  # freeing the gathered copies is part of neither timing
         t5 = now(device)
@@ -212,11 +212,9 @@ def micro(device: torch.device, dtype: torch.dtype, config_path: str, budget: in
         holes, movers = fill_plan(keep, total)
         size = keep.numel()
         filled = fill_slots(cache, holes.to(device), movers.to(device), size)
-        slots = [row[:size].index_copy(0, holes, row[movers])
-                 for row in (slot_time, slot_score, slot_chunk)]
-        held = slots[2].unique().tolist()
+        slots = table.fill(holes, movers, size)
         t6 = now(device)
-        del filled, slots, held
+        del filled, slots
         if rep:
             signal.append(signal_ms)
             previous.append((t2b - t2) * 1e3)
@@ -272,6 +270,15 @@ def report(results: dict[str, Any], cuda: bool) -> str:
         ["eviction: fill the evicted slots' holes (the engine's default) + bookkeeping",
          f"{m['fill_ms']:.3f}", "", ""],
         ["eviction total (fill)", f"{m['evict_fill_ms']:.3f}", PAPER["evict_ms"], ""],
+    ])
+    t, d = results["micro_model"], results["policies"]["deltas"]
+    body += (f"\nThe same operations at this model's own sizes (M = {t['budget']}), back to back "
+             f"(warm caches, median of {t['reps']}), beside the stream's medians, where they run "
+             "right after a forward has replaced the caches' contents:\n\n")
+    body += md_table(["operation", "in the stream ms", "back to back ms"], [
+        ["signal: snapshot + drift", f"{d['engine_drift_ms']:.3f}", f"{t['signal_ms']:.3f}"],
+        ["eviction (fill): select_keep + K/V fill + slot table",
+         f"{d['evict_ms_per_event']:.3f}", f"{t['evict_fill_ms']:.3f}"],
     ])
     return body
 
@@ -339,8 +346,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not results["policies"]["deltas"]["eviction_events"]:
         raise SystemExit("no eviction happened: lower --budget or raise --chunks")
     chunk_tokens = round(results["policies"]["deltas"]["chunk_tokens"])
-    results["micro"] = micro(loaded.device, loaded.dtype, args.micro_config, args.micro_budget,
+    results["micro"] = micro(loaded.device, loaded.dtype,
+                             config_from_file(args.micro_config).text_config, args.micro_budget,
                              chunk_tokens, args.micro_reps)
+    results["micro_model"] = micro(loaded.device, loaded.dtype, loaded.model.config.text_config,
+                                   args.budget, chunk_tokens, max(args.micro_reps, 20),
+                                   args.window)
     results["checks"] = checks(results, cuda)
     model = results["model"]
     title = (f"Engine overhead: Qwen3.5 {model['source']} ({model['parameters'] / 1e6:.1f} M "
