@@ -48,6 +48,7 @@ from deltas_ros.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
 from deltas_ros.frames import FrameGate, FrameSampler, decode_message, message_stamp
 from deltas_ros.maker import make_tokenizer, tiny_config
 from deltas_ros.node import EXECUTOR_THREADS, FRAME_HISTORY
+from deltas_ros.ros_adapters import CameraSubscription
 
 from .camera_pub import frame_bank
 from .common import (
@@ -69,10 +70,14 @@ EXECUTORS = {
     "single": SingleThreadedExecutor,
     "node": lambda context: MultiThreadedExecutor(num_threads=EXECUTOR_THREADS,
                                                   context=context),  # as node.main
+    # The node as it runs: the node's executor spins the node, and the camera subscription is
+    # the node's CameraSubscription, on its own node and SingleThreadedExecutor thread.
+    "camera": lambda context: MultiThreadedExecutor(num_threads=EXECUTOR_THREADS,
+                                                    context=context),
 }
 PATHS = ("deserialize", "raw")  # an input name without a path is the deserialize path
 DEFAULT_INPUTS = ["rgb8/single", "rgb8/single/raw", "jpeg/single", "jpeg/single/raw",
-                  "rgb8/node", "rgb8/node/raw"]
+                  "rgb8/node", "rgb8/node/raw", "rgb8/camera/raw"]
 TARGETS = {"non_sampled_ms": 0.1, "process_percent": 5.0}
 
 
@@ -89,7 +94,7 @@ class FrameRecord:
 class Ingest:
     """The node's per-frame path in a subscriber, with CPU clocks around it."""
 
-    def __init__(self, node, encoding: str, raw: bool) -> None:
+    def __init__(self, node, encoding: str, raw: bool, subscribe: bool = True) -> None:
         self.gate = FrameGate(FrameSampler())
         config = tiny_config()  # for_model reads only the model's config
         self.builder = ChunkBuilder.for_model(SimpleNamespace(config=config),
@@ -100,8 +105,10 @@ class Ingest:
         qos = QoSProfile(depth=FRAME_HISTORY, reliability=ReliabilityPolicy.RELIABLE,
                          durability=DurabilityPolicy.VOLATILE)
         self.msg_type = Image if encoding == "rgb8" else CompressedImage
-        self.subscription = node.create_subscription(
-            self.msg_type, TOPICS[encoding], self.on_raw if raw else self.on_frame, qos, raw=raw)
+        if subscribe:
+            self.subscription = node.create_subscription(
+                self.msg_type, TOPICS[encoding], self.on_raw if raw else self.on_frame, qos,
+                raw=raw)
 
     def on_frame(self, msg: Image | CompressedImage) -> None:
         """The old node's path: rclpy deserialized the message before this call."""
@@ -144,7 +151,10 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     context = rclpy.Context()
     rclpy.init(context=context)
     node = rclpy.create_node("bench_ingest", context=context)
-    ingest = Ingest(node, encoding, raw=path == "raw")
+    own_thread = executor_kind == "camera"
+    ingest = Ingest(node, encoding, raw=path == "raw", subscribe=not own_thread)
+    camera = CameraSubscription(node, ingest.msg_type, TOPICS[encoding], ingest.on_raw, True,
+                                FRAME_HISTORY) if own_thread else None
     executor: Executor = EXECUTORS[executor_kind](context=context)
     executor.add_node(node)
     spinner = threading.Thread(target=executor.spin, daemon=True)
@@ -153,16 +163,18 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         time.sleep(args.idle)
         idle_percent = 100 * (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-        camera = start_camera("--topic", TOPICS[encoding], "--encoding", encoding,
-                              "--fps", str(args.fps), "--seconds", str(args.seconds),
-                              "--width", str(args.width), "--height", str(args.height))
-        published = camera_summary(camera, timeout=args.seconds + 120)
+        publisher = start_camera("--topic", TOPICS[encoding], "--encoding", encoding,
+                                 "--fps", str(args.fps), "--seconds", str(args.seconds),
+                                 "--width", str(args.width), "--height", str(args.height))
+        published = camera_summary(publisher, timeout=args.seconds + 120)
         # The camera exits once every frame is acknowledged; callbacks may still be due. A frame
         # that never comes is reported (received < published), not fatal.
         deadline = time.monotonic() + 30.0
         while len(ingest.records) < published["published"] and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
+        if camera is not None:
+            camera.close()
         executor.shutdown(timeout_sec=5)
         spinner.join(5)
         node.destroy_node()
@@ -234,7 +246,10 @@ def report(results: dict[str, Any]) -> str:
              f"{ros['fastdds_builtin_transports']}; reliable QoS, {results['fps']:g} fps, "
              f"{results['size'][0]}x{results['size'][1]}, {results['seconds']:g} s per input. "
              "Executors: single = rclpy SingleThreadedExecutor, node = the node's "
-             f"MultiThreadedExecutor(num_threads={EXECUTOR_THREADS}). Paths: without a "
+             f"MultiThreadedExecutor(num_threads={EXECUTOR_THREADS}) running the callback, "
+             "camera = the node as it runs: that executor spins the node and the subscription "
+             "is the node's CameraSubscription, on its own node and SingleThreadedExecutor "
+             "thread. Paths: without a "
              "suffix, rclpy takes and deserializes each message before the callback runs "
              "(that cost is in the executor-thread and process columns, not in the callback "
              "column); /raw: a raw subscription, the stamp read from the CDR bytes, only "
@@ -251,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--idle", type=float, default=3.0, help="idle baseline seconds")
     parser.add_argument("--inputs", nargs="+", default=DEFAULT_INPUTS,
                         choices=[f"{e}/{x}{p}" for e in TOPICS for x in EXECUTORS
-                                 for p in ("", "/raw", "/deserialize")],
+                                 for p in ("", "/raw", "/deserialize")
+                                 if x != "camera" or p == "/raw"],
                         help="encoding/executor[/path] (path: deserialize, the default, or "
                         "raw), measured one after the other")
     add_out_arg(parser)

@@ -18,11 +18,12 @@ Wiring only; the state and its rules live in session.py (no rclpy), the model in
     MemoryWorker -> ~/drift (DriftScore, one per chunk), ~/memory_image after an eviction;
     1 Hz timer -> /diagnostics
 
-memory_node.py is the executable around it. Threads: a MultiThreadedExecutor runs the camera,
-the timer, the lifecycle transitions, the memory services and the parameter services in separate
-callback groups; the pool (`EXECUTOR_THREADS`) leaves a thread for the camera and the timer
-whatever planners do (when every thread was blocked, rclpy's executor spun and starved the
-worker; README "Reliability").
+memory_node.py is the executable around it. Threads: a MultiThreadedExecutor runs the timer,
+the lifecycle transitions, the memory services and the parameter services in separate callback
+groups; the pool (`EXECUTOR_THREADS`) leaves a thread for the timer whatever planners do (when
+every thread was blocked, rclpy's executor spun and starved the worker; README "Reliability").
+The camera subscription has a node and an executor thread of its own (CameraSubscription):
+30 frames a second never wait for, or wake, that pool.
 """
 
 from __future__ import annotations

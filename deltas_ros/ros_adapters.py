@@ -1,6 +1,6 @@
 """The node's ROS plumbing that is not wiring: message builders, parameter declaration, a
 callback group that bounds how many service callbacks run at once, and the camera subscription
-whose QoS follows the camera."""
+whose QoS follows the camera, on an executor of its own."""
 
 from __future__ import annotations
 
@@ -12,15 +12,21 @@ from typing import Any
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
-from rclpy.callback_groups import CallbackGroup, MutuallyExclusiveCallbackGroup
+from rclpy.callback_groups import CallbackGroup
 
 try:
     from rclpy.event_handler import SubscriptionEventCallbacks
 except ImportError:  # Humble's rclpy names the module qos_event
     from rclpy.qos_event import SubscriptionEventCallbacks
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
-from rclpy.qos import DurabilityPolicy, QoSPolicyKind, QoSProfile, ReliabilityPolicy
-from rclpy.qos_overriding_options import QoSOverridingOptions
+from rclpy.qos import (
+    DurabilityPolicy,
+    HistoryPolicy,
+    QoSPolicyKind,
+    QoSProfile,
+    ReliabilityPolicy,
+)
 from std_msgs.msg import Header
 
 from . import params
@@ -28,7 +34,8 @@ from .frames import GateOutcome, SampledChunk, TimeEvent
 from .memory import ChunkResult
 from .msg import DriftScore
 
-HISTORY_AND_DEPTH = (QoSPolicyKind.HISTORY, QoSPolicyKind.DEPTH)
+CAMERA_SPIN_S = 0.1  # the camera thread's wait per spin: how soon it sees a stop
+HISTORIES = {"keep_last": HistoryPolicy.KEEP_LAST, "keep_all": HistoryPolicy.KEEP_ALL}
 
 
 def to_time_msg(seconds: float) -> Time:
@@ -134,18 +141,40 @@ def camera_topic(node: Node, compressed: bool, image_topic: str) -> str:
 def reliability_override(node: Node, topic: str) -> str | None:
     """The camera subscription's reliability from rclpy's QoS override parameter
     `qos_overrides.<topic>.subscription.reliability` ("reliable" or "best_effort"); None when
-    not given (follow the publisher). Declared here rather than by QoSOverridingOptions, whose
-    declared default would pin the first choice and stop the subscription following the camera;
-    history and depth go through QoSOverridingOptions. ValueError for another value."""
-    name = f"qos_overrides.{topic}.subscription.reliability"
-    descriptor = ParameterDescriptor(
-        read_only=True, description="reliable or best_effort (empty: follow the camera's "
-        "publisher; reliable_qos:=true is an alias of reliable)")
-    value = (node.get_parameter(name) if node.has_parameter(name)  # activated before
-             else node.declare_parameter(name, "", descriptor)).value
+    not given (follow the publisher). Declared with an empty default rather than the first
+    choice, which would pin it and stop the subscription following the camera. ValueError for
+    another value."""
+    value = _qos_override(node, topic, "reliability", "", "reliable or best_effort (empty: "
+                          "follow the camera's publisher; reliable_qos:=true is an alias of "
+                          "reliable)")
     if value not in ("", "reliable", "best_effort"):
-        raise ValueError(f"{name} must be reliable or best_effort, got {value!r}")
+        raise ValueError(f"qos_overrides.{topic}.subscription.reliability must be reliable or "
+                         f"best_effort, got {value!r}")
     return value or None
+
+
+def history_override(node: Node, topic: str, depth: int) -> tuple[HistoryPolicy, int]:
+    """(history, depth) of the camera subscription from rclpy's QoS override parameters
+    `qos_overrides.<topic>.subscription.history` / `.depth` (defaults keep_last, `depth`), as
+    QoSOverridingOptions names them; declared on `node`, the memory node, since the
+    subscription itself lives on the camera's own node. ValueError for a bad value."""
+    history = _qos_override(node, topic, "history", "keep_last", "keep_last or keep_all")
+    depth_value = _qos_override(node, topic, "depth", depth, "messages held for the callback")
+    if history not in HISTORIES:
+        raise ValueError(f"qos_overrides.{topic}.subscription.history must be keep_last or "
+                         f"keep_all, got {history!r}")
+    if not isinstance(depth_value, int) or depth_value < 1:
+        raise ValueError(f"qos_overrides.{topic}.subscription.depth must be an integer >= 1, "
+                         f"got {depth_value!r}")
+    return HISTORIES[history], depth_value
+
+
+def _qos_override(node: Node, topic: str, policy: str, default: Any, description: str) -> Any:
+    name = f"qos_overrides.{topic}.subscription.{policy}"
+    if node.has_parameter(name):  # activated before
+        return node.get_parameter(name).value
+    descriptor = ParameterDescriptor(read_only=True, description=description)
+    return node.declare_parameter(name, default, descriptor).value
 
 
 class CameraSubscription:
@@ -159,18 +188,39 @@ class CameraSubscription:
     nothing. (A reliable camera's frames of ~0.9 MB and up never arrived over a best-effort
     subscription with Fast DDS's default transports; README "Reliability".) A deep history: the
     callback is cheap, but it shares the interpreter with the model and may be late.
+
+    The subscription lives on a node of its own, `<node>_camera` (same namespace, no parameter
+    services, no command-line arguments: the memory node resolves the topic and reads the QoS
+    overrides), spun by a SingleThreadedExecutor on a thread of its own. The memory node's
+    MultiThreadedExecutor does about 2 ms of Python per wake-up, and 30 frames a second woke it
+    30 times: bench.ingest measures both paths side by side.
     """
 
     def __init__(self, node: Node, msg_type: type, topic: str, callback: Callable,
                  forced_reliable: bool, depth: int) -> None:
-        self.node, self.msg_type, self.callback, self.depth = node, msg_type, callback, depth
+        self.node, self.msg_type, self.callback = node, msg_type, callback
         self.topic = node.resolve_topic_name(topic)
         override = reliability_override(node, self.topic)
+        self.history, self.depth = history_override(node, self.topic, depth)
         self.forced = forced_reliable or override is not None
-        self.group = MutuallyExclusiveCallbackGroup()
         self.subscription, self.silence_logged = None, False
+        self.camera_node = Node(f"{node.get_name()}_camera", namespace=node.get_namespace(),
+                                context=node.context, use_global_arguments=False,
+                                start_parameter_services=False)
         self._subscribe(forced_reliable or override == "reliable" if self.forced
                         else self.publisher_reliability() is True)
+        self.executor = SingleThreadedExecutor(context=node.context)
+        self.executor.add_node(self.camera_node)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._spin, name="camera", daemon=True)
+        self.thread.start()
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.executor.spin_once(timeout_sec=CAMERA_SPIN_S)
+            except ExternalShutdownException:  # a signal shut the context down
+                return
 
     def publisher_reliability(self) -> bool | None:
         """Whether every publisher of the topic is reliable (None: no publisher yet)."""
@@ -181,15 +231,15 @@ class CameraSubscription:
 
     def _subscribe(self, reliable: bool) -> None:
         if self.subscription is not None:
-            self.node.destroy_subscription(self.subscription)
-        qos = QoSProfile(depth=self.depth, durability=DurabilityPolicy.VOLATILE,
+            self.camera_node.destroy_subscription(self.subscription)
+        qos = QoSProfile(history=self.history, depth=self.depth,
+                         durability=DurabilityPolicy.VOLATILE,
                          reliability=ReliabilityPolicy.RELIABLE if reliable
                          else ReliabilityPolicy.BEST_EFFORT)
         # raw: the callback gets the CDR bytes; it reads the stamp from them (cdr.raw_stamp) and
         # deserializes only the frames the sampler keeps.
-        self.subscription = self.node.create_subscription(
-            self.msg_type, self.topic, self.callback, qos, callback_group=self.group, raw=True,
-            qos_overriding_options=QoSOverridingOptions(HISTORY_AND_DEPTH),
+        self.subscription = self.camera_node.create_subscription(
+            self.msg_type, self.topic, self.callback, qos, raw=True,
             event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible))
         self.reliable, self.silence_logged = reliable, False
         self.since = time.monotonic()
@@ -197,8 +247,12 @@ class CameraSubscription:
                                     f"{'reliable' if reliable else 'best effort'} QoS)")
 
     def close(self) -> None:
-        """Unsubscribe (lifecycle deactivate)."""
-        self.node.destroy_subscription(self.subscription)
+        """Unsubscribe (lifecycle deactivate): stop the camera thread (no callback runs after
+        this returns, unless one is stuck past the join's bound) and destroy its node."""
+        self._stop.set()
+        self.thread.join(timeout=5.0)
+        self.executor.shutdown(timeout_sec=0.0)
+        self.camera_node.destroy_node()
 
     def follow(self, silence_warn_s: float, last_frame: float) -> None:
         """Resubscribe to match the publishers; log once when matched but silent."""

@@ -3,9 +3,11 @@ following the publisher when neither is given (one process, no model); then over
 node process, what it says when a camera is matched but silent, or cannot be matched."""
 
 import os
+import threading
 
 import pytest
 import rclpy
+from engine_helpers import wait_until
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
@@ -63,6 +65,37 @@ def test_a_bad_override_is_refused(context):
     node = node_with(context, reliability="sometimes")
     with pytest.raises(ValueError, match="reliable or best_effort"):
         subscribe(node)
+    node.destroy_node()
+
+
+def test_a_bad_history_or_depth_override_is_refused(context):
+    with pytest.raises(ValueError, match="keep_last or keep_all"):
+        subscribe(node_with(context, history="keep_some"))
+    with pytest.raises(ValueError, match="integer >= 1"):
+        subscribe(node_with(context, depth=0))
+
+
+def test_frames_arrive_on_the_camera_s_own_thread_and_stop_at_close(context):
+    """The memory node's executor never runs the camera: here nothing spins the node at all,
+    and frames still reach the callback, on the camera's thread; after close() none does, and
+    the camera's node has left the graph."""
+    node = Node("memory", namespace="/robot", context=context)
+    threads: list[str] = []
+    camera = CameraSubscription(node, Image, "/cam",
+                                lambda raw: threads.append(threading.current_thread().name),
+                                True, 60)
+    assert camera.camera_node.get_fully_qualified_name() == "/robot/memory_camera"
+    sender = Node("sender", context=context)
+    publisher = sender.create_publisher(Image, "/cam", QoSProfile(depth=10))
+    assert wait_until(lambda: publisher.get_subscription_count() == 1)
+    assert wait_until(lambda: publisher.publish(Image(height=1, width=1, step=3,
+                                                      encoding="rgb8", data=b"abc")) or threads)
+    assert set(threads) == {"camera"}
+    camera.close()
+    assert not camera.thread.is_alive()
+    assert wait_until(lambda: publisher.get_subscription_count() == 0)
+    assert "memory_camera" not in node.get_node_names()
+    sender.destroy_node()
     node.destroy_node()
 
 
