@@ -241,22 +241,47 @@ def test_replay_stops_cleanly_on_sigint(bag, ros_env, moment, signum):
 
 
 def test_a_stop_signal_during_a_publish_still_counts_that_frame(bag):
-    """The signal handler's KeyboardInterrupt waits for the frame's count (`_HELD`): a stop
-    between the publish and the count made the stats say 4 where 5 had been received."""
+    """A stop request acts only before the next frame (`_STOP`): a stop between the publish
+    and the count once made the stats say 4 where 5 had been received."""
     sent = []
 
     class SignalledWhilePublishing:
         def publish(self, data: bytes) -> None:
             sent.append(data)
             if len(sent) == 3:
-                replay._HELD.interrupt("SIGINT")  # as the handler does, mid-publish
+                replay._STOP.request("SIGINT")  # as the handler does, mid-publish
 
     stats = {"published": {TOPIC: 0}, "late_ms_max": 0.0}
-    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
-        replay._play_once(bag, 100.0, {TOPIC: SignalledWhilePublishing()}, None, None, stats)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+            replay._play_once(bag, 100.0, {TOPIC: SignalledWhilePublishing()}, None, None,
+                              stats)
+    finally:
+        replay._STOP.clear()
     assert stats["published"][TOPIC] == len(sent) == 3
-    with pytest.raises(KeyboardInterrupt):
-        replay._HELD.interrupt("SIGTERM")  # outside a publish: at once, nothing left pending
+    replay._STOP.check()  # cleared: nothing left pending
+
+
+def test_a_stop_request_never_unwinds_through_the_bag_reader(bag, monkeypatch):
+    """A signal handler that raised at the line it landed on could unwind through the bag
+    reader's exec'd code, after which CPython killed the caught-and-finished replay with
+    SIGINT at exit (rc -2). A request made while the reader runs is acted on by replay's own
+    code, after the reader returned its frame."""
+    real = replay.read_images
+
+    def reader_signalled(path, topics):
+        replay._STOP.request("SIGINT")  # lands while the bag is being opened
+        yield from real(path, topics)
+
+    monkeypatch.setattr(replay, "read_images", reader_signalled)
+    stats = {"published": {TOPIC: 0}, "late_ms_max": 0.0}
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            replay._play_once(bag, 1.0, {TOPIC: None}, None, None, stats)
+    finally:
+        replay._STOP.clear()
+    assert raised.traceback[-1].name == "check" and stats["published"][TOPIC] == 0
+    assert not any("bag" in entry.path.name for entry in raised.traceback)
 
 
 def test_cli_replay_reports_a_missing_bag(tmp_path, ros_env):
