@@ -283,9 +283,18 @@ class Backend:
         are read before anything is written, so a failure changes nothing."""
         layers = [self.cache.layers[i] for i in self.full]
         filled = fill_slots([t for layer in layers for t in (layer.keys, layer.values)],
-                            holes.to(self.device), movers.to(self.device), size)
+                            self._indices(holes), self._indices(movers), size)
         for layer, keys, values in zip(layers, filled[0::2], filled[1::2]):
             layer.keys, layer.values = keys, values
+
+    def _indices(self, host: torch.Tensor) -> torch.Tensor:
+        """A host index tensor on the model's device without waiting for the device: a
+        blocking `.to(device)` waits for all queued work, a non-blocking copy from pinned
+        memory only queues the copy (the caching host allocator keeps the block until it is
+        done). Untested here: CI has no GPU."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def shift_keys(self, first: int, shift: torch.Tensor) -> None:
         """Re-rotate the keys of slots first.. by shift (3, T) (slots before `first` stay);
