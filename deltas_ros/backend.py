@@ -45,11 +45,12 @@ import importlib
 import inspect
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
@@ -286,6 +287,24 @@ class Backend:
                             self._indices(holes), self._indices(movers), size)
         for layer, keys, values in zip(layers, filled[0::2], filled[1::2]):
             layer.keys, layer.values = keys, values
+
+    def move(self, moves: Sequence[tuple[int, int, int]], size: int) -> None:
+        """`fill` for moves (to, source, count) of slot ranges (slots.keep_runs): per K/V
+        tensor one copy into the holes, from one slice when the movers are one range (the
+        newest chunk, usually) instead of a gathered copy. Sources lie at or above `size` and
+        targets below it, so no copy reads what another wrote."""
+        targets = self._indices(torch.from_numpy(
+            np.concatenate([np.arange(to, to + count) for to, _, count in moves])))
+        first, moved = moves[0][1], sum(count for _, _, count in moves)
+        sources = None if all(b[1] == a[1] + a[2] for a, b in zip(moves, moves[1:])) else \
+            self._indices(torch.from_numpy(np.concatenate(
+                [np.arange(source, source + count) for _, source, count in moves])))
+        for layer in (self.cache.layers[i] for i in self.full):
+            for name in ("keys", "values"):
+                cache = getattr(layer, name)
+                rows = (cache.narrow(-2, first, moved) if sources is None
+                        else cache.index_select(-2, sources))
+                setattr(layer, name, cache.narrow(-2, 0, size).index_copy_(-2, targets, rows))
 
     def _indices(self, host: torch.Tensor) -> torch.Tensor:
         """A host index tensor on the model's device without waiting for the device: a

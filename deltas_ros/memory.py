@@ -40,7 +40,7 @@ from .memory_config import (
 )
 from .memory_results import Answer, ChunkResult, MemoryState, MemoryStats
 from .model import LoadedModel
-from .policy import ChunkSignals, make_policy, select_keep
+from .policy import ChunkSignals, make_policy, select_keep, select_runs
 from .poses import Pose
 from .prompt import ChatLayout
 from .slots import PREFIX_CHUNK, SlotTable, fill_plan
@@ -48,6 +48,11 @@ from .state_check import check_state
 
 __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState", "MemoryStats",
            "PREFIX_CHUNK", "QuestionFailed", "StreamingMemory", "question_problem"]
+
+
+# Runs (slots.Run) up to which an eviction chooses among runs (a Python loop, ~1 µs a run)
+# rather than sorting every slot in numpy; a per-chunk policy holds about one run per chunk.
+MAX_SELECT_RUNS = 256
 
 
 class _Snapshot(NamedTuple):
@@ -148,21 +153,29 @@ class StreamingMemory:
         total, cfg = self.kv_tokens, self.config
         if total <= cfg.budget_tokens:
             return 0
-        order = self.slots.arrival_order().numpy()  # host bookkeeping in numpy (select_keep)
-        chosen = select_keep(self.slots.time.numpy()[order], self.slots.score.numpy()[order],
-                             cfg.budget_tokens, cfg.sink_tokens, cfg.window_tokens,
-                             self.policy.buckets or cfg.buckets)
-        kept = torch.from_numpy(order[chosen.numpy()])
-        if cfg.eviction == "gather":  # the reference: every kept slot copied, in arrival order
-            kept = kept.sort().values
-            slots = self.slots.select(kept)
-            self.backend.keep(kept)
-        else:  # O(evicted): the last kept slots move into the holes
-            holes, movers = fill_plan(kept, total)
-            slots = self.slots.fill(holes, movers, kept.numel())
-            self.backend.fill(holes, movers, kept.numel())
+        limits = (cfg.budget_tokens, cfg.sink_tokens, cfg.window_tokens,
+                  self.policy.buckets or cfg.buckets)
+        if cfg.eviction == "fill" and self.policy.scores_chunks and len(
+                runs := self.slots.runs()) <= MAX_SELECT_RUNS:
+            # The common event: a few runs chosen, a few slot ranges moved (same slots as below).
+            slots, moves = self.slots.keep_runs(
+                select_runs([(run.length, run.time, run.score) for run in runs], *limits))
+            self.backend.move(moves, len(slots))
+        else:
+            order = self.slots.arrival_order().numpy()  # host bookkeeping in numpy
+            chosen = select_keep(self.slots.time.numpy()[order],
+                                 self.slots.score.numpy()[order], *limits)
+            kept = torch.from_numpy(order[chosen.numpy()])
+            if cfg.eviction == "gather":  # the reference: every kept slot copied, in order
+                kept = kept.sort().values
+                slots = self.slots.select(kept)
+                self.backend.keep(kept)
+            else:  # O(evicted): the last kept slots move into the holes
+                holes, movers = fill_plan(kept, total)
+                slots = self.slots.fill(holes, movers, kept.numel())
+                self.backend.fill(holes, movers, kept.numel())
         self.slots = slots
-        return total - kept.numel()
+        return total - len(slots)
 
     # ----------------------------------------------------------------------------- positions
     @torch.inference_mode()

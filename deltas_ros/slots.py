@@ -16,6 +16,11 @@ the end of the cache (`fill`), since attention does not care where a key sits (i
 rotary position). Everything that depends on order (the window, ties, time buckets, position
 compaction) reads the slots in `arrival_order()`; `select` keeps the gather path's order.
 
+`runs()` describes the same slots by runs (`Run`): consecutive in arrival order and in the cache,
+one chunk, one time, one score. Under a per-chunk policy a chunk is one run (or a few pieces
+after an eviction), so an eviction can choose and move whole ranges (policy.select_runs,
+`keep_runs`) instead of sorting and indexing every slot; `fill_plan` + `fill` are its reference.
+
 A table is immutable: append, select, fill and move return a new one, so a snapshot of the memory
 holds its table by reference and a rollback is one assignment.
 """
@@ -23,7 +28,10 @@ holds its table by reference and a rollback is one assignment.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +42,31 @@ from .rope import compacted_positions
 PREFIX_CHUNK = -1  # chunk index of the chat prefix's slots
 MAX_CHUNKS = 2**31  # chunk indices and counters fit a signed 32-bit field
 MAX_ARRIVAL = 2**62  # arrival ranks: tokens of a stream, far from int64's end
+
+
+class Run(NamedTuple):
+    """`length` slots consecutive in arrival order, all of one chunk, time and score, held in the
+    cache at `extents`: (first slot, count) ranges in arrival order (one, until an eviction's
+    fill splits a chunk across the holes it fills)."""
+    length: int
+    chunk: int
+    time: float
+    score: float
+    extents: tuple[tuple[int, int], ...]
+    top: int  # 1 + the highest slot of the extents
+
+    @classmethod
+    def at(cls, chunk: int, time_s: float, score: float,
+           extents: tuple[tuple[int, int], ...]) -> Run:
+        return cls(sum(count for _, count in extents), chunk, time_s, score, extents,
+                   max(slot + count for slot, count in extents))
+
+
+class Move(NamedTuple):
+    """Slots source..source+count-1 copied to slots to..to+count-1 (an eviction's fill)."""
+    to: int
+    source: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -48,6 +81,8 @@ class SlotTable:
     arrival: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     next_arrival: int = 0
     poses: dict[int, Pose | None] = field(default_factory=dict)
+    # The runs when known (append and keep_runs carry them on); None: derived on first use.
+    known_runs: tuple[Run, ...] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.time.numel()
@@ -63,15 +98,20 @@ class SlotTable:
         stamp = None if stamp is None else float(stamp)
         stamps = self.stamps if chunk == PREFIX_CHUNK else {**self.stamps, chunk: stamp}
         poses = self.poses if chunk == PREFIX_CHUNK else {**self.poses, chunk: pose}
+        scores = scores.float().cpu()
+        runs = None if self.known_runs is None else self.known_runs + tuple(
+            Run.at(chunk, float(time_s), score, ((len(self) + start, length),))
+            for start, length, score in _equal_spans(scores.numpy()))
         return SlotTable(
             torch.cat([self.time, torch.full((n,), time_s, dtype=torch.float64)]),
-            torch.cat([self.score, scores.float().cpu()]),
+            torch.cat([self.score, scores]),
             torch.cat([self.chunk, torch.full((n,), chunk, dtype=torch.long)]),
             torch.cat([self.position, positions], 1),
             stamps,
             torch.cat([self.arrival, torch.arange(self.next_arrival, self.next_arrival + n)]),
             self.next_arrival + n,
             poses,
+            runs,
         )
 
     def select(self, keep: torch.Tensor) -> SlotTable:
@@ -98,8 +138,64 @@ class SlotTable:
         return SlotTable(moved(self.time), moved(self.score), chunk, moved(self.position),
                          stamps, moved(self.arrival), self.next_arrival, poses)
 
+    def runs(self) -> tuple[Run, ...]:
+        """The slots as runs in arrival order (see the module docstring); derived from the rows
+        once for a table built slot by slot (select, fill, a loaded file)."""
+        if self.known_runs is None:
+            object.__setattr__(self, "known_runs", _runs_of(self))  # a cache, not a change
+        return self.known_runs
+
+    def keep_runs(self, kept: Sequence[tuple[int, int]]) -> tuple[SlotTable, list[Move]]:
+        """The table after run i of `runs()` kept its first kept[i][0] and last kept[i][1] slots
+        (policy.select_runs), and the moves that make it so: the kept slots at or above the new
+        size fill the evicted ones below it, in slot order. The same table and the same slot
+        pairs as `fill_plan` + `fill` (test_eviction), as a few ranges instead of an index per
+        slot."""
+        size = sum(head + tail for head, tail in kept)
+        holes, movers, pieces = [], [], []  # (first, end) slot ranges; (run, kept ranges)
+        for run, (head, tail) in zip(self.runs(), kept, strict=True):
+            if head + tail == run.length and run.top <= size:  # most runs: untouched
+                pieces.append((run, None))
+                continue
+            if not head + tail:
+                holes += [(slot, min(slot + count, size)) for slot, count in run.extents
+                          if slot < size]
+                continue
+            held, at = [], 0  # the run's kept slot ranges; its slots before this extent
+            for slot, count in run.extents:
+                for first, end, keep in _split(slot, count, head - at, run.length - tail - at):
+                    if not keep:
+                        if first < size:
+                            holes.append((first, min(end, size)))
+                        continue
+                    held.append((first, end))
+                    if end > size:
+                        movers.append((max(first, size), end))
+                at += count
+            pieces.append((run, held))
+        moves = _paired(_joined(holes), _joined(movers))
+        sources = [move.source for move in moves]
+        runs = tuple(run if held is None else Run.at(run.chunk, run.time, run.score,
+                                                     _located(held, size, moves, sources))
+                     for run, held in pieces)
+
+        def moved(row: torch.Tensor) -> torch.Tensor:  # numpy: a slice costs ~0.5 µs there
+            data = row.numpy()
+            out = data[..., :size].copy()
+            for to, source, count in moves:
+                out[..., to:to + count] = data[..., source:source + count]
+            return torch.from_numpy(out)
+
+        held_chunks = {run.chunk for run in runs}
+        table = SlotTable(moved(self.time), moved(self.score), moved(self.chunk),
+                          moved(self.position),
+                          {c: s for c, s in self.stamps.items() if c in held_chunks},
+                          moved(self.arrival), self.next_arrival,
+                          {c: p for c, p in self.poses.items() if c in held_chunks}, runs)
+        return table, moves
+
     def moved(self, positions: torch.Tensor) -> SlotTable:
-        """The table with new (3, T) positions (after a compaction)."""
+        """The table with new (3, T) positions (after a compaction; runs hold no position)."""
         return replace(self, position=positions)
 
     def _held(self, chunk: torch.Tensor) -> tuple[dict[int, float | None],
@@ -210,3 +306,102 @@ def fill_plan(kept: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tenso
     holes = np.flatnonzero(~keep[:size])
     movers = np.flatnonzero(keep[size:]) + size
     return torch.from_numpy(holes), torch.from_numpy(movers)
+
+
+def _equal_spans(scores: np.ndarray) -> list[tuple[int, int, float]]:
+    """(start, length, score) of the spans of equal consecutive scores (NaN: one slot each)."""
+    if scores.size and bool((scores == scores[0]).all()):
+        return [(0, int(scores.size), float(scores[0]))]
+    starts = np.flatnonzero(np.r_[True, scores[1:] != scores[:-1]])
+    lengths = np.diff(np.r_[starts, scores.size])
+    return list(zip(starts.tolist(), lengths.tolist(), scores[starts].tolist()))
+
+
+def _runs_of(table: SlotTable) -> tuple[Run, ...]:
+    """The runs of a table's rows: breaks in arrival order where the chunk, time or score
+    changes; extents also break where a slot's successor in arrival order is not the next slot.
+    """
+    if not len(table):
+        return ()
+    order = table.arrival_order().numpy()
+    chunk, time_s = table.chunk.numpy()[order], table.time.numpy()[order]
+    score = table.score.numpy()[order]
+    new_run = np.r_[True, (chunk[1:] != chunk[:-1]) | (time_s[1:] != time_s[:-1])
+                    | (score[1:] != score[:-1])]
+    starts = np.flatnonzero(new_run)
+    cuts = [*np.flatnonzero(new_run | np.r_[True, np.diff(order) != 1]).tolist(), order.size]
+    slots, runs, j = order.tolist(), [], 0
+    for end, c, t, s in zip([*starts[1:].tolist(), order.size], chunk[starts].tolist(),
+                            time_s[starts].tolist(), score[starts].tolist()):
+        bounds = []
+        while cuts[j] < end:  # the cuts inside this run; j never goes back
+            bounds.append(cuts[j])
+            j += 1
+        runs.append(Run.at(c, t, s, tuple(
+            (slots[a], b - a) for a, b in zip(bounds, [*bounds[1:], end]))))
+    return tuple(runs)
+
+
+def _split(slot: int, count: int, gone: int, back: int) -> list[tuple[int, int, bool]]:
+    """An extent of `count` slots from `slot` cut where its run's evicted middle starts and
+    ends (`gone`, `back`: run offsets relative to the extent): (first, end, kept) pieces."""
+    gone, back = min(max(gone, 0), count), min(max(back, 0), count)
+    parts = ((slot, slot + gone, True), (slot + gone, slot + max(gone, back), False),
+             (slot + max(gone, back), slot + count, True))
+    return [part for part in parts if part[0] < part[1]]
+
+
+def _joined(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(first, end) slot ranges sorted, those that meet joined."""
+    joined: list[tuple[int, int]] = []
+    for first, end in sorted(ranges):
+        if joined and joined[-1][1] == first:
+            joined[-1] = (joined[-1][0], end)
+        else:
+            joined.append((first, end))
+    return joined
+
+
+def _paired(holes: list[tuple[int, int]], movers: list[tuple[int, int]]) -> list[Move]:
+    """Moves that fill the hole ranges with the mover ranges in order (both sorted, as many
+    slots each side), splitting ranges where their ends differ: fill_plan's pairing."""
+    moves, h, m = [], 0, 0
+    hole, mover = (holes[0] if holes else None), (movers[0] if movers else None)
+    while hole is not None and mover is not None:  # each pass uses up a hole or a mover range
+        count = min(hole[1] - hole[0], mover[1] - mover[0])
+        moves.append(Move(hole[0], mover[0], count))
+        hole, mover = (hole[0] + count, hole[1]), (mover[0] + count, mover[1])
+        if hole[0] == hole[1]:
+            h += 1
+            hole = holes[h] if h < len(holes) else None
+        if mover[0] == mover[1]:
+            m += 1
+            mover = movers[m] if m < len(movers) else None
+    return moves
+
+
+def _located(held: list[tuple[int, int]], size: int, moves: list[Move],
+             sources: list[int]) -> tuple[tuple[int, int], ...]:
+    """(slot, count) extents where the kept slot ranges `held` (in arrival order) sit after
+    `moves` (slots at or above `size` moved; `sources`: the moves' sources, sorted), joined
+    where they meet."""
+    extents: list[tuple[int, int]] = []
+
+    def place(slot: int, count: int) -> None:
+        if extents and sum(extents[-1]) == slot:
+            extents[-1] = (extents[-1][0], extents[-1][1] + count)
+        else:
+            extents.append((slot, count))
+
+    for first, end in held:
+        if first < size:
+            place(first, min(end, size) - first)
+        at = max(first, size)
+        while at < end:  # each pass places a slot or more: the moves cover every mover
+            move = moves[bisect_right(sources, at) - 1]
+            count = min(end, move.source + move.count) - at
+            if count <= 0 or at < move.source:
+                raise RuntimeError(f"slot {at} is kept above the size {size} but not moved")
+            place(move.to + at - move.source, count)
+            at += count
+    return tuple(extents)

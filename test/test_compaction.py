@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from engine_helpers import TINY_FRAMES, feed, frames_for, kv, next_logits
+from engine_helpers import TINY_FRAMES, feed, frames_for, kept_by_runs, kv, next_logits
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from deltas_ros import memory as memory_module
@@ -48,7 +48,8 @@ def test_compaction_without_gaps_changes_nothing(tiny_model):
 
 
 def test_compacted_layout_is_a_fresh_stream_of_the_kept_chunks(tiny_model, monkeypatch):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
+    # A per-token policy: its eviction chooses through select_keep, which this test replaces.
+    memory = StreamingMemory(tiny_model, MemoryConfig(policy="key_norm", **TINY_FRAMES))
     feed(memory, range(6))
     dropped = torch.tensor([1, 2, 4])
     keep = (~torch.isin(memory.slots.chunk, dropped)).nonzero().flatten()
@@ -69,7 +70,8 @@ def raw_keys(model, full_layers: list[int]):
     """Keys before rotary embedding, in arrival order, kept aligned with the next memory's slots.
 
     Each full-attention layer's k_norm output (the key just before RoPE) is appended per forward;
-    evictions are mirrored by wrapping `select_keep`. Yields {layer index: (1, kv_heads, T, d)}.
+    evictions are mirrored by wrapping `select_keep` and `select_runs` (whichever the eviction
+    takes). Yields {layer index: (1, kv_heads, T, d)}.
     """
     raw: dict[int, torch.Tensor] = {}
 
@@ -81,18 +83,24 @@ def raw_keys(model, full_layers: list[int]):
 
     layers = model.model.language_model.layers
     hooks = [layers[i].self_attn.k_norm.register_forward_hook(recorder(i)) for i in full_layers]
-    select_keep = memory_module.select_keep
+    select_keep, select_runs = memory_module.select_keep, memory_module.select_runs
 
     def mirrored(*args):
         keep = select_keep(*args)
         raw.update({i: k[..., keep, :] for i, k in raw.items()})
         return keep
 
-    memory_module.select_keep = mirrored
+    def mirrored_runs(runs, *args):
+        kept = select_runs(runs, *args)
+        keep = torch.tensor(kept_by_runs([length for length, _, _ in runs], kept))
+        raw.update({i: k[..., keep, :] for i, k in raw.items()})
+        return kept
+
+    memory_module.select_keep, memory_module.select_runs = mirrored, mirrored_runs
     try:
         yield raw
     finally:
-        memory_module.select_keep = select_keep
+        memory_module.select_keep, memory_module.select_runs = select_keep, select_runs
         for hook in hooks:
             hook.remove()
 

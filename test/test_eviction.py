@@ -1,4 +1,6 @@
-"""Eviction that moves only what it must ("fill") against the gather path it replaced.
+"""Eviction that moves only what it must ("fill") against the gather path it replaced, and its
+choice by runs of slots (select_runs, SlotTable.keep_runs, Backend.move) against the choice by
+slots (select_keep, fill_plan, SlotTable.fill, Backend.fill).
 
 Attention does not care where a key sits in the cache, so filling the holes of the evicted slots
 with the last kept slots must give the same memory as gathering every kept slot, seen in arrival
@@ -11,9 +13,10 @@ from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltas_ros import memory as memory_module
 from deltas_ros.memory import MemoryConfig, StreamingMemory
 from deltas_ros.persist import load_memory, save_memory
-from deltas_ros.policy import POLICY_NAMES
+from deltas_ros.policy import POLICY_NAMES, select_keep, select_runs
 from deltas_ros.slots import PREFIX_CHUNK, SlotTable, fill_plan
 
 STREAM = dict(budget_tokens=150, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
@@ -49,6 +52,82 @@ def test_fill_plan_moves_only_the_evicted_count_and_keeps_the_same_slots(sizes, 
     for name, tensor in arrival_view(gathered).items():
         assert torch.equal(arrival_view(filled)[name], tensor), name
     assert filled.stamps == gathered.stamps
+
+
+def rows_of(slots: SlotTable) -> SlotTable:
+    """The same table built slot by slot (its runs derived from the rows, as after a load)."""
+    return SlotTable(slots.time, slots.score, slots.chunk, slots.position, slots.stamps,
+                     slots.arrival, slots.next_arrival, slots.poses)
+
+
+def slots_by_run(runs) -> list[tuple[int, float, float, int]]:
+    """(chunk, time, score, slot) of every slot the runs hold, in arrival order."""
+    return [(r.chunk, r.time, r.score, slot) for r in runs for first, count in r.extents
+            for slot in range(first, first + count)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(1, 8), st.sampled_from([0.0, 1.0, 2.0, None])),
+                       min_size=2, max_size=24),
+       budget=st.integers(14, 40), sinks=st.integers(0, 4), window=st.integers(0, 10),
+       buckets=st.integers(1, 4), derive=st.lists(st.booleans(), min_size=24, max_size=24))
+def test_keep_runs_gives_the_table_and_slot_pairs_of_fill_plan(chunks, budget, sinks, window,
+                                                               buckets, derive):
+    """A stream of evictions by runs (chunks of one score, or None: scores per token), each
+    against fill_plan + fill on the same table and the kept slots select_keep chooses: the same
+    rows bit for bit, the same hole/mover pairs, and runs that describe the rows (as derived
+    from them). `derive` rebuilds the table slot by slot first, as a load does."""
+    slots = SlotTable().append(0.0, PREFIX_CHUNK, torch.full((2,), float("inf")),
+                               torch.arange(2).expand(3, -1))
+    position = 2
+    for c, (n, score) in enumerate(chunks):
+        scores = torch.arange(n, dtype=torch.float32) % 2 if score is None else \
+            torch.full((n,), score)
+        slots = slots.append(float(c), c, scores,
+                             torch.arange(position, position + n).expand(3, -1), stamp=10.0 + c)
+        position += n
+        if len(slots) <= budget:
+            continue
+        slots = rows_of(slots) if derive[c] else slots
+        runs = slots.runs()
+        kept_runs = select_runs([(r.length, r.time, r.score) for r in runs], budget, sinks,
+                                window, buckets)
+        order = slots.arrival_order().numpy()
+        kept = torch.from_numpy(order[select_keep(slots.time.numpy()[order],
+                                                  slots.score.numpy()[order], budget, sinks,
+                                                  window, buckets).numpy()])
+        holes, movers = fill_plan(kept, len(slots))
+        ours, moves = slots.keep_runs(kept_runs)
+        reference = slots.fill(holes, movers, kept.numel())
+        for name, tensor in reference.export().items():
+            assert torch.equal(ours.export()[name], tensor), name
+        assert ours.stamps == reference.stamps
+        assert [to + i for to, _, n in moves for i in range(n)] == holes.tolist()
+        assert [source + i for _, source, n in moves for i in range(n)] == movers.tolist()
+        assert slots_by_run(ours.runs()) == slots_by_run(rows_of(ours).runs())
+        slots = ours
+
+
+def test_backend_move_equals_fill_on_the_cache(tiny_model):
+    """Moves from one range (the slice path) and from scattered slots (the index path)."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(**STREAM))
+    feed(memory, range(5))
+    total = memory.kv_tokens
+
+    def cache_after(method: str, *args) -> dict[str, torch.Tensor]:
+        copy = StreamingMemory(tiny_model, MemoryConfig(**STREAM))
+        copy.import_state(memory.export_state())
+        with torch.inference_mode():
+            getattr(copy.backend, method)(*args)
+        return copy.backend.export_tensors()
+
+    for kept in (torch.tensor([0, 1, 2, 3, 10, 11, 30, 31, 32, total - 1]),
+                 torch.cat([torch.arange(4), torch.arange(40, total)])):
+        holes, movers = fill_plan(kept, total)
+        moves = [(int(h), int(m), 1) for h, m in zip(holes, movers)]
+        filled = cache_after("fill", holes, movers, kept.numel())
+        for name, tensor in cache_after("move", moves, kept.numel()).items():
+            assert torch.equal(tensor, filled[name]), name
 
 
 def test_backend_fill_equals_gather_on_the_cache(tiny_model):
@@ -89,9 +168,15 @@ def cache_in_arrival_order(memory: StreamingMemory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
-def test_every_fill_event_equals_the_gather_path_on_the_same_memory(tiny_model, policy):
+def test_every_fill_event_equals_the_gather_path_on_the_same_memory(tiny_model, policy,
+                                                                    monkeypatch):
     """Over a long stream, before each chunk the gather path gets the fill path's exact state;
-    the chunk then gives both the same drift, evictions and memory, bit for bit."""
+    the chunk then gives both the same drift, evictions and memory, bit for bit. The fill path
+    chooses by runs under a per-chunk policy (runs derived after each import), by slots
+    under a per-token one."""
+    by_runs = []
+    monkeypatch.setattr(memory_module, "select_runs",
+                        lambda *args: by_runs.append(1) or select_runs(*args))
     fill = StreamingMemory(tiny_model, MemoryConfig(policy=policy, **STREAM))
     gather = StreamingMemory(tiny_model, MemoryConfig(policy=policy, eviction="gather", **STREAM))
     fill.max_positions = gather.max_positions = 500  # compactions on the way
@@ -104,6 +189,7 @@ def test_every_fill_event_equals_the_gather_path_on_the_same_memory(tiny_model, 
         assert_same_in_arrival_order(fill, gather, exact=True)
         events += ours.evicted_tokens > 0
     assert events >= 15 and fill.compactions >= 1
+    assert len(by_runs) == (events if fill.policy.scores_chunks else 0)
     assert (fill.slots.arrival.diff() < 0).any()  # the fill path really left arrival order
 
 
@@ -116,6 +202,7 @@ def test_fill_and_gather_give_the_same_memory_over_a_long_stream(tiny_model, pol
     gather = StreamingMemory(tiny_model, MemoryConfig(policy=policy, eviction="gather", **STREAM))
     fill.max_positions = gather.max_positions = 500  # compactions on the way
     by_fill, by_gather = feed(fill, range(30)), feed(gather, range(30))
+    assert slots_by_run(fill.slots.runs()) == slots_by_run(rows_of(fill.slots).runs())
     assert sum(r.evicted_tokens > 0 for r in by_fill) >= 15
     assert fill.compactions == gather.compactions >= 1
     assert (fill.slots.arrival.diff() < 0).any()  # the fill path really left arrival order

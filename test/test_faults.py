@@ -25,7 +25,7 @@ def last_attention_layer(module, *args, **kwargs) -> bool:
 @pytest.mark.parametrize("owner, name, only", [
     (Qwen3_5VisionModel, "forward", any_call),
     (Qwen3_5Attention, "forward", last_attention_layer),  # after 6 linear layers and 1 attention
-    (memory_module, "select_keep", any_call),  # after the whole prefill and scoring
+    (memory_module, "select_runs", any_call),  # after the whole prefill and scoring
 ], ids=["vision", "attention", "eviction"])
 def test_failed_chunk_rolls_back_bit_identically(tiny_model, monkeypatch, owner, name, only):
     memory = StreamingMemory(tiny_model, MemoryConfig(**FAULT_CONFIG))

@@ -1,10 +1,13 @@
-"""select_keep (Algorithm 1's selection) and the retention policies' scores."""
+"""select_keep (Algorithm 1's selection), select_runs (the same on runs of slots) and the
+retention policies' scores."""
 
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
+from engine_helpers import kept_by_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +18,7 @@ from deltas_ros.policy import (
     make_policy,
     select_keep,
     select_keep_reference,
+    select_runs,
 )
 
 
@@ -125,6 +129,42 @@ def test_fast_path_equals_reference(chunk_sizes, scores, budget_extra, sinks, wi
     assert fast.tolist() == select_keep_reference(times, slot_scores, budget, sinks, window,
                                                   buckets)
     assert fast.numel() == min(len(times), budget)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 2),
+                            st.sampled_from([0.0, 0.25, 1.0, 2.0, math.inf, -math.inf,
+                                             math.nan])), min_size=1, max_size=30),
+    budget_extra=st.integers(0, 100),
+    sinks=st.integers(0, 6),
+    window=st.integers(0, 30),
+    buckets=st.integers(1, 6),
+)
+def test_select_runs_keeps_the_slots_select_keep_keeps(runs, budget_extra, sinks, window,
+                                                       buckets):
+    """Runs of equal time and score (a time step of 0 makes runs of one chunk time), against
+    the slot-by-slot reference on the same slots."""
+    times = np.cumsum([step for _, step, _ in runs]).astype(float).tolist()
+    runs = [(length, t, score) for (length, _, score), t in zip(runs, times)]
+    budget = sinks + window + budget_extra
+    kept = select_runs(runs, budget, sinks, window, buckets)
+    slot_times = [t for length, t, _ in runs for _ in range(length)]
+    slot_scores = [score for length, _, score in runs for _ in range(length)]
+    assert kept_by_runs([length for length, _, _ in runs], kept) == select_keep_reference(
+        slot_times, slot_scores, budget, sinks, window, buckets)
+
+
+def test_select_runs_refuses_what_select_keep_refuses():
+    with pytest.raises(ValueError, match="budget"):
+        select_runs([(20, 0.0, 1.0)], budget=10, sinks=4, window=8)
+    with pytest.raises(ValueError, match="at least one slot"):
+        select_runs([(20, 0.0, 1.0), (0, 1.0, 1.0)], budget=12, sinks=4, window=8)
+
+
+def test_only_the_per_token_policies_score_tokens_apart():
+    assert {n for n in POLICY_NAMES if not make_policy(n).scores_chunks} == {"value_norm",
+                                                                             "key_norm"}
 
 
 def signals(index: int, n: int = 6) -> ChunkSignals:

@@ -35,7 +35,7 @@ HOST_TABLE = {  # slot table, selection and chunk inputs: host tensors by design
     # numpy views of the host slot table (.numpy() raises on a device tensor: never a sync)
     ("memory.py", "evict_to_budget", "numpy"), ("slots.py", "arrival_order", "numpy"),
     ("slots.py", "fill_plan", "numpy"), ("slots.py", "moved", "numpy"),
-    ("slots.py", "_held", "numpy"),
+    ("slots.py", "_held", "numpy"), ("slots.py", "append", "numpy"),  # the scores' host copy
 }
 
 
