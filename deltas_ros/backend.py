@@ -56,7 +56,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from .chunks import Chunk
-from .drift import stacked_drift, write_strength
+from .drift import drift_of_views, drift_views, write_strength
 from .rope import RotaryShift
 
 KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
@@ -214,23 +214,23 @@ class Backend:
         """Copy the states into the snapshot rows of their stacked buffers (`_StateBuffers`):
         one copy when the conv states are float32 like the recurrent ones, else two.
         Invalidates the previous snapshot."""
-        for buffer in self._state_buffers().buffers:
-            buffer[2].copy_(buffer[0])
+        for snapshot, live in self._state_buffers().copies:
+            snapshot.copy_(live)
         self._generation += 1
         return StateSnapshot(self.kv_tokens, self._generation)
 
     def drift(self, snap: StateSnapshot) -> tuple[float, list[float]]:
         """State drift (Eq. 3) from `snap` to now: drift.stacked_drift on the stacked states
-        (three ops, one host sync; nothing is copied first)."""
+        (three ops on views made once, one host sync; nothing is copied first)."""
         self._check_current(snap)
-        return stacked_drift(self._state_buffers(adopt=False).recurrent)
+        return drift_of_views(*self._state_buffers(adopt=False).drift_views)
 
     def restore(self, snap: StateSnapshot) -> None:
         """Copy the states back (one or two copies) and cut the KV cache to its length at the
         snapshot."""
         self._check_current(snap)
-        for buffer in self._state_buffers(adopt=False).buffers:
-            buffer[0].copy_(buffer[2])
+        for snapshot, live in self._state_buffers(adopt=False).copies:
+            live.copy_(snapshot)
         self.truncate(snap.kv_tokens)
 
     def _state_buffers(self, adopt: bool = True) -> _StateBuffers:
@@ -493,6 +493,9 @@ class _StateBuffers:
             self.buffers = [torch.zeros(3, len(linear), n, device=device),
                             torch.zeros(3, len(linear), m, dtype=conv[0].dtype, device=device)]
             self.recurrent, self.conv = self.buffers
+        # Views made once, used by every chunk (making them costs more than the copies).
+        self.copies = [(buffer[2], buffer[0]) for buffer in self.buffers]  # (snapshot, live)
+        self.drift_views = drift_views(self.recurrent)
         self.live = _rows(self.recurrent[0], recurrent) + _rows(self.conv[0], conv)
         torch._foreach_copy_(self.live, recurrent + conv)
         for i, recurrent_view, conv_view in zip(linear, self.live, self.live[len(linear):]):

@@ -54,8 +54,21 @@ def stacked_drift(work: torch.Tensor) -> tuple[float, list[float]]:
     if work.dim() != 3 or work.shape[0] != 3 or work.dtype != torch.float32:
         raise ValueError(f"need a (3, L, n) float32 work tensor, got {tuple(work.shape)} "
                          f"{work.dtype}")
-    torch.sub(work[0], work[2], out=work[1])
-    change, reference = torch.linalg.vector_norm(work[1:], dim=-1).tolist()
+    return drift_of_views(*drift_views(work))
+
+
+def drift_views(work: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(after, scratch, before, scratch and before) views of a checked `stacked_drift` work
+    tensor: a buffer that lives on makes them once (four views cost more than the drift's ops
+    at tiny sizes) and passes them to drift_of_views for every chunk."""
+    return work[0], work[1], work[2], work[1:]
+
+
+def drift_of_views(after: torch.Tensor, scratch: torch.Tensor, before: torch.Tensor,
+                   pair: torch.Tensor) -> tuple[float, list[float]]:
+    """`stacked_drift` on the views `drift_views` made."""
+    torch.sub(after, before, out=scratch)
+    change, reference = torch.linalg.vector_norm(pair, dim=-1).tolist()
     per_layer = [c / r if r > 0 else float(c > 0) for c, r in zip(change, reference)]
     return sum(per_layer) / len(per_layer), per_layer
 

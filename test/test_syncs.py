@@ -28,7 +28,7 @@ T = torch.Tensor
 READS = {T.item, T.tolist, T.cpu, T.numpy, T.__bool__, T.__int__, T.__float__, T.__index__,
          T.nonzero, torch.nonzero, T.unique, torch.unique, T.masked_select, torch.masked_select}
 
-DEVICE_SYNCS = {("drift.py", "stacked_drift", "tolist")}  # the one: 2L norms, documented
+DEVICE_SYNCS = {("drift.py", "drift_of_views", "tolist")}  # the one: 2L norms, documented
 HOST_TABLE = {  # slot table, selection and chunk inputs: host tensors by design
     ("chunks.py", "build", "tolist"),  # the chunk's grid, before it goes to the device
     ("slots.py", "append", "cpu"),  # host positions / scores: a no-op on host tensors
