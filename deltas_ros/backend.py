@@ -289,22 +289,13 @@ class Backend:
             layer.keys, layer.values = keys, values
 
     def move(self, moves: Sequence[tuple[int, int, int]], size: int) -> None:
-        """`fill` for moves (to, source, count) of slot ranges (slots.keep_runs): per K/V
-        tensor one copy into the holes, from one slice when the movers are one range (the
-        newest chunk, usually) instead of a gathered copy. Sources lie at or above `size` and
-        targets below it, so no copy reads what another wrote."""
-        targets = self._indices(torch.from_numpy(
-            np.concatenate([np.arange(to, to + count) for to, _, count in moves])))
-        first, moved = moves[0][1], sum(count for _, _, count in moves)
-        sources = None if all(b[1] == a[1] + a[2] for a, b in zip(moves, moves[1:])) else \
-            self._indices(torch.from_numpy(np.concatenate(
-                [np.arange(source, source + count) for _, source, count in moves])))
-        for layer in (self.cache.layers[i] for i in self.full):
-            for name in ("keys", "values"):
-                cache = getattr(layer, name)
-                rows = (cache.narrow(-2, first, moved) if sources is None
-                        else cache.index_select(-2, sources))
-                setattr(layer, name, cache.narrow(-2, 0, size).index_copy_(-2, targets, rows))
+        """`fill` for moves (to, source, count) of slot ranges (slots.keep_runs), through
+        `move_slots`: one copy per K/V tensor, from a slice when the movers are one range."""
+        layers = [self.cache.layers[i] for i in self.full]
+        moved = move_slots([t for layer in layers for t in (layer.keys, layer.values)], moves,
+                           size, self._indices)
+        for layer, keys, values in zip(layers, moved[0::2], moved[1::2]):
+            layer.keys, layer.values = keys, values
 
     def _indices(self, host: torch.Tensor) -> torch.Tensor:
         """A host index tensor on the model's device without waiting for the device: a
@@ -527,6 +518,24 @@ def fill_slots(caches: list[torch.Tensor], holes: torch.Tensor, movers: torch.Te
     moving = [cache.index_select(-2, movers) for cache in caches]
     return [cache[..., :size, :].index_copy_(-2, holes, rows)
             for cache, rows in zip(caches, moving)]
+
+
+def move_slots(caches: list[torch.Tensor], moves: Sequence[tuple[int, int, int]], size: int,
+               to_device: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Each (B, kv_heads, T, head_dim) tensor cut to `size` slots with `moves` (to, source,
+    count) applied in place (the results are views of the inputs): one index_copy_ into the
+    holes per tensor, from one slice when the sources are one range (the newest chunk, usually)
+    instead of a gathered copy. Sources lie at or above `size` and targets below it, so nothing
+    is read after it was written. to_device: a host index tensor onto the caches' device."""
+    targets = to_device(torch.from_numpy(
+        np.concatenate([np.arange(to, to + count) for to, _, count in moves])))
+    first, moved = moves[0][1], sum(count for _, _, count in moves)
+    sources = None if all(b[1] == a[1] + a[2] for a, b in zip(moves, moves[1:])) else \
+        to_device(torch.from_numpy(np.concatenate(
+            [np.arange(source, source + count) for _, source, count in moves])))
+    return [cache.narrow(-2, 0, size).index_copy_(
+        -2, targets, cache.narrow(-2, first, moved) if sources is None
+        else cache.index_select(-2, sources)) for cache in caches]
 
 
 # ----------------------------------------------------------------------------- training

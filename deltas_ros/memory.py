@@ -57,12 +57,15 @@ MAX_SELECT_RUNS = 256
 
 class _Snapshot(NamedTuple):
     """What a chunk or a question may change (the slot table is immutable: by reference), and
-    how long copying the states took (part of a chunk's signal_ms)."""
+    when copying the states started and ended (backend.now: part of a chunk's signal_ms; the
+    end is also when the chunk's forward starts, so a chunk waits for the device twice, not
+    three times)."""
     states: StateSnapshot
     next_position: int
     chunks_seen: int
     slots: SlotTable
-    took_s: float
+    started: float
+    taken: float
 
 
 class StreamingMemory:
@@ -120,7 +123,7 @@ class StreamingMemory:
         pose: Pose | None = None,
     ) -> ChunkResult:
         """Prefill, score and evict; may leave the memory half-updated if it raises."""
-        t1 = self.backend.now()
+        t1 = snapshot.taken
         with self.backend.recording_write_strength(self.policy.needs_write_strength) as strengths:
             self.backend.prefill_chunk(chunk)
         t2 = self.backend.now()
@@ -141,7 +144,8 @@ class StreamingMemory:
         return ChunkResult(
             index=index, time=chunk.time, drift=drift, layer_drift=per_layer,
             chunk_tokens=chunk.num_tokens, kv_tokens=self.kv_tokens, evicted_tokens=evicted,
-            forward_ms=(t2 - t1) * 1e3, signal_ms=(snapshot.took_s + t3 - t2) * 1e3,
+            forward_ms=(t2 - t1) * 1e3,
+            signal_ms=(snapshot.taken - snapshot.started + t3 - t2) * 1e3,
             evict_ms=(t5 - t4) * 1e3 if evicted else 0.0, stamp=stamp, positions_freed=freed,
             pose=pose,
         )
@@ -254,8 +258,8 @@ class StreamingMemory:
         length: it only grows at the end until an eviction, which replaces all layers at once)."""
         start = self.backend.now()
         states = self.backend.snapshot()
-        return _Snapshot(states, self.next_position, self.chunks_seen, self.slots,
-                         self.backend.now() - start)
+        return _Snapshot(states, self.next_position, self.chunks_seen, self.slots, start,
+                         self.backend.now())
 
     def _restore(self, snap: _Snapshot) -> None:
         self.backend.restore(snap.states)
