@@ -16,13 +16,14 @@ the end of the cache (`fill`), since attention does not care where a key sits (i
 rotary position). Everything that depends on order (the window, ties, time buckets, position
 compaction) reads the slots in `arrival_order()`; `select` keeps the gather path's order.
 
-`runs()` describes the same slots by runs (`Run`): consecutive in arrival order and in the cache,
-one chunk, one time, one score. Under a per-chunk policy a chunk is one run (or a few pieces
-after an eviction), so an eviction can choose and move whole ranges (policy.select_runs,
-`keep_runs`) instead of sorting and indexing every slot; `fill_plan` + `fill` are its reference.
+`runs()` describes the same slots by runs (`Run`): consecutive in arrival order, one chunk, one
+time, one score, held at a few slot ranges (extents). Under a per-chunk policy a chunk is one
+run, so an eviction can choose runs and move slot ranges (policy.select_runs, `keep_runs`)
+instead of sorting and indexing every slot; `fill_plan` + `fill` are its reference.
 
-A table is immutable: append, select, fill and move return a new one, so a snapshot of the memory
-holds its table by reference and a rollback is one assignment.
+A table is immutable: append, select, fill, keep_runs and moved return a new one, so a snapshot
+of the memory holds its table by reference and a rollback is one assignment (`runs()` only
+caches what the rows already say).
 """
 
 from __future__ import annotations
