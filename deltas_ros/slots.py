@@ -59,6 +59,7 @@ class Run(NamedTuple):
     @classmethod
     def at(cls, chunk: int, time_s: float, score: float,
            extents: tuple[tuple[int, int], ...]) -> Run:
+        """The run of `chunk` held at `extents` (its length and top follow from them)."""
         return cls(sum(count for _, count in extents), chunk, time_s, score, extents,
                    max(slot + count for slot, count in extents))
 
@@ -146,7 +147,7 @@ class SlotTable:
             object.__setattr__(self, "known_runs", _runs_of(self))  # a cache, not a change
         return self.known_runs
 
-    def keep_runs(self, kept: Sequence[tuple[int, int]]) -> tuple[SlotTable, list[Move]]:
+    def keep_runs(self, kept: Sequence[Sequence[int]]) -> tuple[SlotTable, list[Move]]:
         """The table after run i of `runs()` kept its first kept[i][0] and last kept[i][1] slots
         (policy.select_runs), and the moves that make it so: the kept slots at or above the new
         size fill the evicted ones below it, in slot order. The same table and the same slot
