@@ -272,30 +272,28 @@ class Backend:
         Everything is gathered before anything is replaced, so a failure changes nothing.
         """
         keep = keep.to(self.device)
-        layers = [self.cache.layers[i] for i in self.full]
-        kept = [(gather_slots(layer.keys, keep), gather_slots(layer.values, keep))
-                for layer in layers]
-        for layer, (keys, values) in zip(layers, kept):
-            layer.keys, layer.values = keys, values
+        self._set_kv([gather_slots(cache, keep) for cache in self._kv()])
 
     def fill(self, holes: torch.Tensor, movers: torch.Tensor, size: int) -> None:
         """Move slots `movers` into slots `holes` and cut every full-attention layer to `size`
         slots (slots.fill_plan): O(evicted) data moved, not O(kept). The movers of every layer
         are read before anything is written, so a failure changes nothing."""
-        layers = [self.cache.layers[i] for i in self.full]
-        filled = fill_slots([t for layer in layers for t in (layer.keys, layer.values)],
-                            self._indices(holes), self._indices(movers), size)
-        for layer, keys, values in zip(layers, filled[0::2], filled[1::2]):
-            layer.keys, layer.values = keys, values
+        self._set_kv(fill_slots(self._kv(), self._indices(holes), self._indices(movers), size))
 
     def move(self, moves: Sequence[tuple[int, int, int]], size: int) -> None:
         """`fill` for moves (to, source, count) of slot ranges (slots.keep_runs), through
         `move_slots`: one copy per K/V tensor, from a slice when the movers are one range."""
-        layers = [self.cache.layers[i] for i in self.full]
-        moved = move_slots([t for layer in layers for t in (layer.keys, layer.values)], moves,
-                           size, self._indices)
-        for layer, keys, values in zip(layers, moved[0::2], moved[1::2]):
-            layer.keys, layer.values = keys, values
+        self._set_kv(move_slots(self._kv(), moves, size, self._indices))
+
+    def _kv(self) -> list[torch.Tensor]:
+        """Keys and values of every full-attention layer: [keys 0, values 0, keys 1, ...]."""
+        return [t for i in self.full for t in (self.cache.layers[i].keys,
+                                               self.cache.layers[i].values)]
+
+    def _set_kv(self, tensors: list[torch.Tensor]) -> None:
+        """Make `tensors` (laid out as `_kv` gives them) the full-attention layers' K/V."""
+        for i, keys, values in zip(self.full, tensors[0::2], tensors[1::2]):
+            self.cache.layers[i].keys, self.cache.layers[i].values = keys, values
 
     def _indices(self, host: torch.Tensor) -> torch.Tensor:
         """A host index tensor on the model's device without waiting for the device: a
@@ -484,7 +482,7 @@ class _StateBuffers:
             self.buffers = [torch.zeros(3, len(linear), n, device=device),
                             torch.zeros(3, len(linear), m, dtype=conv[0].dtype, device=device)]
             self.recurrent, self.conv = self.buffers
-        # Views made once, used by every chunk (making them costs more than the copies).
+        # Views made once, used by every chunk (at tiny sizes making them is much of the cost).
         self.copies = [(buffer[2], buffer[0]) for buffer in self.buffers]  # (snapshot, live)
         self.drift_views = drift_views(self.recurrent)
         self.live = _rows(self.recurrent[0], recurrent) + _rows(self.conv[0], conv)
@@ -527,15 +525,16 @@ def move_slots(caches: list[torch.Tensor], moves: Sequence[tuple[int, int, int]]
     holes per tensor, from one slice when the sources are one range (the newest chunk, usually)
     instead of a gathered copy. Sources lie at or above `size` and targets below it, so nothing
     is read after it was written. to_device: a host index tensor onto the caches' device."""
-    targets = to_device(torch.from_numpy(
-        np.concatenate([np.arange(to, to + count) for to, _, count in moves])))
+    def index(ranges: list[tuple[int, int]]) -> torch.Tensor:
+        return to_device(torch.from_numpy(
+            np.concatenate([np.arange(first, first + count) for first, count in ranges])))
+
+    targets = index([(to, count) for to, _, count in moves])
+    if any(b[1] != a[1] + a[2] for a, b in zip(moves, moves[1:])):  # scattered sources
+        return fill_slots(caches, targets, index([(s, count) for _, s, count in moves]), size)
     first, moved = moves[0][1], sum(count for _, _, count in moves)
-    sources = None if all(b[1] == a[1] + a[2] for a, b in zip(moves, moves[1:])) else \
-        to_device(torch.from_numpy(np.concatenate(
-            [np.arange(source, source + count) for _, source, count in moves])))
-    return [cache.narrow(-2, 0, size).index_copy_(
-        -2, targets, cache.narrow(-2, first, moved) if sources is None
-        else cache.index_select(-2, sources)) for cache in caches]
+    return [cache.narrow(-2, 0, size).index_copy_(-2, targets, cache.narrow(-2, first, moved))
+            for cache in caches]
 
 
 # ----------------------------------------------------------------------------- training

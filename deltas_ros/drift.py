@@ -59,8 +59,8 @@ def stacked_drift(work: torch.Tensor) -> tuple[float, list[float]]:
 
 def drift_views(work: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(after, scratch, before, scratch and before) views of a checked `stacked_drift` work
-    tensor: a buffer that lives on makes them once (four views cost more than the drift's ops
-    at tiny sizes) and passes them to drift_of_views for every chunk."""
+    tensor: a buffer that lives on makes them once (at tiny sizes making four views per chunk
+    is much of the drift's cost) and passes them to drift_of_views for every chunk."""
     return work[0], work[1], work[2], work[1:]
 
 

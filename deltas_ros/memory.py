@@ -50,8 +50,8 @@ __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState"
            "PREFIX_CHUNK", "QuestionFailed", "StreamingMemory", "question_problem"]
 
 
-# Runs (slots.Run) up to which an eviction chooses among runs (a Python loop, ~1 µs a run)
-# rather than sorting every slot in numpy; a per-chunk policy holds about one run per chunk.
+# Runs (slots.Run) up to which an eviction chooses among runs (a Python loop over them) rather
+# than sorting every slot in numpy; a per-chunk policy holds about one run per chunk.
 MAX_SELECT_RUNS = 256
 
 

@@ -66,7 +66,8 @@ def select_keep(
     ordered_bucket = bucket[by_bucket]
     rank = np.arange(by_bucket.size) - starts[ordered_bucket]
     in_share = np.zeros(candidates.size, dtype=bool)
-    in_share[by_bucket] = rank < _shares(budget - sinks - window, buckets)[ordered_bucket]
+    shares = np.asarray(_shares(budget - sinks - window, buckets))
+    in_share[by_bucket] = rank < shares[ordered_bucket]
 
     # Spare budget (buckets thinner than their share) goes to the best of the rest, any bucket.
     spare = budget - sinks - window - int(in_share.sum())
@@ -94,16 +95,16 @@ def select_runs(
 
     Why it is enough: the slots of a run tie, and ties go to the later slot, so a run keeps a
     suffix of its candidates, next to its window part; only its sinks sit at its start. The
-    choice is then a loop over a few dozen runs instead of sorts over every slot: at the tiny
-    model's sizes a dozen numpy calls cost more than the whole loop. Equal to select_keep on
-    the runs expanded to slots (test_policy).
+    choice is then a loop over a few dozen runs instead of sorts over every slot (at the tiny
+    model's sizes bench.engine_overhead times both). Equal to select_keep on the runs expanded
+    to slots (test_policy).
     """
     total = sum(length for length, _, _ in runs)
     _check_args(total, total, budget, sinks, window, buckets)
     if min((length for length, _, _ in runs), default=1) < 1:
         raise ValueError("runs must hold at least one slot each")
     if total <= budget:
-        return [(length, 0) for length, _, _ in runs]
+        return [[length, 0] for length, _, _ in runs]
     kept, pieces, start = [], [], 0  # pieces: (score, first candidate, run, candidates, time)
     lo, hi, window_start = math.inf, -math.inf, total - window
     for i, (length, time_s, score) in enumerate(runs):
@@ -116,8 +117,7 @@ def select_runs(
             lo, hi = min(lo, time_s), max(hi, time_s)
         start += length
     best_first = sorted(pieces, reverse=True)  # by score, ties to the later run
-    base, extra = divmod(budget - sinks - window, buckets)  # _shares, without numpy
-    share = [base + (b >= buckets - extra) for b in range(buckets)]
+    share = _shares(budget - sinks - window, buckets)
     rest = []
     for _, _, i, count, time_s in best_first:
         bucket = 0 if hi <= lo else min(int((time_s - lo) / (hi - lo) * buckets), buckets - 1)
@@ -190,11 +190,10 @@ def _bucket_of(times: np.ndarray, buckets: int) -> np.ndarray:
     return np.minimum((fraction * buckets).astype(np.int64), buckets - 1).astype(np.int16)
 
 
-def _shares(free: int, buckets: int) -> np.ndarray:
+def _shares(free: int, buckets: int) -> list[int]:
+    """Each bucket's share of `free` slots: equal, the remainder to the newest buckets."""
     base, extra = divmod(free, buckets)
-    shares = np.full(buckets, base, dtype=np.int64)
-    shares[buckets - extra:] += 1  # the remainder goes to the newest buckets
-    return shares
+    return [base + (b >= buckets - extra) for b in range(buckets)]
 
 
 @dataclass

@@ -159,10 +159,6 @@ class SlotTable:
             if head + tail == run.length and run.top <= size:  # most runs: untouched
                 pieces.append((run, None))
                 continue
-            if not head + tail:
-                holes += [(slot, min(slot + count, size)) for slot, count in run.extents
-                          if slot < size]
-                continue
             held, at = [], 0  # the run's kept slot ranges; its slots before this extent
             for slot, count in run.extents:
                 for first, end, keep in _split(slot, count, head - at, run.length - tail - at):
@@ -174,14 +170,15 @@ class SlotTable:
                     if end > size:
                         movers.append((max(first, size), end))
                 at += count
-            pieces.append((run, held))
+            if held:  # a run evicted whole leaves the table
+                pieces.append((run, held))
         moves = _paired(_joined(holes), _joined(movers))
         sources = [move.source for move in moves]
         runs = tuple(run if held is None else Run.at(run.chunk, run.time, run.score,
                                                      _located(held, size, moves, sources))
                      for run, held in pieces)
 
-        def moved(row: torch.Tensor) -> torch.Tensor:  # numpy: a slice costs ~0.5 µs there
+        def moved(row: torch.Tensor) -> torch.Tensor:  # numpy: cheaper than torch for slices
             data = row.numpy()
             out = data[..., :size].copy()
             for to, source, count in moves:

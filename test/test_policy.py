@@ -181,9 +181,11 @@ def test_every_policy_scores_every_token(name):
     assert torch.isfinite(scores).all()
 
 
-def test_chunk_level_policies_give_one_score_per_chunk():
-    for name in ("deltas", "recency", "uniform", "random", "write_strength"):
-        assert make_policy(name).score(signals(5)).unique().numel() == 1
+def test_policies_that_score_chunks_give_one_score_per_chunk():
+    """What lets the eviction choose by runs (policy.scores_chunks) is what they do."""
+    for name in POLICY_NAMES:
+        policy = make_policy(name)
+        assert (policy.score(signals(5)).unique().numel() == 1) == policy.scores_chunks, name
 
 
 def test_random_policy_is_seeded():
