@@ -23,12 +23,16 @@ from the first to the last callback:
 - process CPU: time.process_time() from callback to callback, which adds the DDS threads that
   receive and reassemble the message; as a share of one core: process CPU / wall time.
 An idle baseline (subscribed, no camera, --idle seconds) and the deserialization of one message
-alone (rclpy.serialization, median of 20) are measured too.
+alone (rclpy.serialization, median of 20) are measured too, and the process's minor page faults
+per frame (resource.getrusage): each frame is copied three times on its way in (Fast DDS's
+reassembly, rmw's serialized take, rclpy's bytes), and a copy onto fresh pages costs more than
+the copy itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import threading
 import time
@@ -86,6 +90,7 @@ class FrameRecord:
     thread_s: float  # executor thread CPU clock at callback entry
     process_s: float  # process CPU clock at callback entry
     wall_s: float  # perf_counter at callback entry
+    page_faults: int  # the process's minor page faults at callback entry
     sampled: bool
     path_s: float  # CPU time of FrameGate.push (stamp, sampling, decode if sampled)
     build_s: float  # CPU time of ChunkBuilder.build, 0 unless the frame finished a chunk
@@ -123,6 +128,7 @@ class Ingest:
     def record(self, header: Callable[[], tuple[float, str]],
                decode: Callable[[], Any]) -> None:
         thread0, process0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         sampled_before = self.gate.sampler.sampled
         stamp, _frame_id = header()
         outcome = self.gate.push(stamp, decode)
@@ -131,7 +137,7 @@ class Ingest:
             chunk = self.builder.build(outcome.chunk.frames, outcome.chunk.times, self.position)
             self.position = chunk.next_position
         self.records.append(FrameRecord(
-            thread0, process0, wall0, self.gate.sampler.sampled > sampled_before,
+            thread0, process0, wall0, faults, self.gate.sampler.sampled > sampled_before,
             thread1 - thread0, time.thread_time() - thread1 if outcome.chunk else 0.0))
 
 
@@ -207,6 +213,7 @@ def summarize(records: list[FrameRecord], published: dict[str, Any], idle_percen
         if one_thread else None,
         "process_ms_per_frame": process_ms / intervals,
         "process_percent": 100 * process_ms / 1e3 / wall,
+        "page_faults_per_frame": (last.page_faults - first.page_faults) / intervals,
         "idle_percent": idle_percent,
         "deserialize_ms": deserialize,
         "camera_process_percent": 100 * published["cpu_s"] / published["wall_s"],
@@ -223,13 +230,15 @@ def report(results: dict[str, Any]) -> str:
             f"{ns['median'] * 1e3:.1f} / {ns['p99'] * 1e3:.1f} / {ns['max'] * 1e3:.0f}",
             f"{r['sampled_ms']:.2f}", f"{r['build_ms']:.2f}", f"{r['callback_ms_per_frame']:.3f}",
             f"{r['deserialize_ms']:.3f}", "n/a" if thread is None else f"{thread:.3f}",
-            f"{r['process_ms_per_frame']:.3f}", f"{r['process_percent']:.2f} %",
+            f"{r['process_ms_per_frame']:.3f}", f"{r['page_faults_per_frame']:.0f}",
+            f"{r['process_percent']:.2f} %",
             f"{r['idle_percent']:.2f} %", f"{r['camera_process_percent']:.1f} %"])
     body = md_table([
         "input / executor", "frames recv/pub", "message", "non-sampled µs (median / p99 / max)",
         "sampled ms (decode)", "chunk build ms", "callback CPU ms/frame",
         "deserialize ms (alone)", "executor thread CPU ms/frame", "process CPU ms/frame",
-        "process CPU, % of one core", "idle baseline", "camera process (not counted)"], rows)
+        "page faults/frame", "process CPU, % of one core", "idle baseline",
+        "camera process (not counted)"], rows)
     checks = []
     for name, r in results["inputs"].items():
         p99 = r["non_sampled_ms"]["p99"]

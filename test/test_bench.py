@@ -131,6 +131,7 @@ def test_ingest(tmp_path, ros_env):
         assert run["sampled"] >= 3 and run["chunks"] >= 1
         assert 0 < run["non_sampled_ms"]["median"] < run["sampled_ms"]
         assert run["build_ms"] > 0 and run["process_percent"] > 0
+        assert run["page_faults_per_frame"] >= 0
     assert results["inputs"]["rgb8/single"]["message_bytes"] == 320 * 240 * 3
     assert results["inputs"]["rgb8/single"]["executor_thread_ms_per_frame"] > 0
     assert results["inputs"]["jpeg/node"]["executor_thread_ms_per_frame"] is None
