@@ -111,6 +111,10 @@ class PoseBuffer:
         if len(self._stamps) > self.capacity:
             del self._stamps[0], self._poses[0]
 
+    def newest(self) -> float | None:
+        """The stamp of the newest pose held (None when empty)."""
+        return self._stamps[-1] if self._stamps else None
+
     def at(self, stamp: float | None) -> Pose | None:
         """The pose at `stamp`, interpolated between its neighbours; None when the stamp is
         unknown or no pose lies within max_gap_s of it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,11 @@ POSE_TYPES = {"odometry": Odometry, "pose_stamped": PoseStamped,
               "pose_with_covariance": PoseWithCovarianceStamped}
 POSE_HISTORY = 2000  # poses kept: 20 s of 100 Hz odometry
 POSE_QUEUE = 50
+# A chunk whose stamp is past the newest pose waits this long (wall) for the pose after it while
+# poses flow (one arrived in the last POSE_FLOWING_S): the pose stream, on the node's executor,
+# may run a little behind the camera's thread, and the newest pose alone is a stale one.
+POSE_WAIT_S = 0.2
+POSE_FLOWING_S = 1.0
 
 
 def pose_of(msg: Odometry | PoseStamped | PoseWithCovarianceStamped) -> tuple[float, Pose]:
@@ -67,6 +73,8 @@ class PoseInput:
 
     def __init__(self, node: Node, topic: str, kind: str, max_gap_s: float) -> None:
         self.node, self.lock = node, threading.Lock()
+        self.arrived = threading.Condition(self.lock)
+        self.last_arrival = -math.inf  # time.monotonic() when the newest pose came
         self.buffer = PoseBuffer(POSE_HISTORY, max_gap_s)
         self.bad = 0
         self.subscription = node.create_subscription(POSE_TYPES[kind], topic, self._on_pose,
@@ -77,15 +85,26 @@ class PoseInput:
     def _on_pose(self, msg) -> None:
         try:
             stamp, pose = pose_of(msg)
-            with self.lock:
+            with self.arrived:
                 self.buffer.add(stamp, pose)
+                self.last_arrival = time.monotonic()
+                self.arrived.notify_all()
         except ValueError as error:  # counted and logged; the buffer is unchanged
             self.bad += 1
             self.node.get_logger().warning(f"dropped a pose: {error}", throttle_duration_sec=5.0)
 
     def at(self, stamp: float) -> Pose | None:
-        with self.lock:
+        """The pose at `stamp` (PoseBuffer.at), after waiting up to POSE_WAIT_S for a pose at or
+        after it while poses flow."""
+        with self.arrived:
+            self.arrived.wait_for(lambda: not self._behind(stamp), POSE_WAIT_S)
             return self.buffer.at(stamp)
+
+    def _behind(self, stamp: float) -> bool:
+        """Poses flow, but none has come yet at or after `stamp` (caller holds the lock)."""
+        newest = self.buffer.newest()
+        return (newest is not None and newest < stamp
+                and time.monotonic() - self.last_arrival < POSE_FLOWING_S)
 
     def close(self) -> None:
         """Unsubscribe (lifecycle deactivate)."""

@@ -136,3 +136,35 @@ def test_an_answer_without_poses_still_has_one_pose_per_evidence_chunk():
     fill_answer(empty, answer_of(slots_with([STAMP], [None]), []))
     assert (len(empty.evidence_times), len(empty.evidence_stamps), len(empty.evidence_poses)) \
         == (0, 0, 0)
+
+
+def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it():
+    """The pose stream runs on the node's executor and may lag the camera: a chunk past the
+    newest pose gets the interpolated pose once the next pose comes (within POSE_WAIT_S), and
+    the nearest one, after at most POSE_WAIT_S, when none comes."""
+    import threading
+    import time
+
+    import rclpy
+
+    from deltas_ros.ros_memory import POSE_WAIT_S, PoseInput
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        node = rclpy.create_node("pose_wait_test", context=context)
+        poses = PoseInput(node, "/pose_wait_test", "pose_stamped", 0.5)
+        poses._on_pose(pose_message("pose_stamped", 1.0, "map", (1.0, 0.0, 0.0),
+                                    (0.0, 0.0, 0.0, 1.0)))
+        later = threading.Timer(
+            0.05, poses._on_pose, [pose_message("pose_stamped", 1.1, "map", (2.0, 0.0, 0.0),
+                                     (0.0, 0.0, 0.0, 1.0))])
+        later.start()
+        assert poses.at(1.05).position == pytest.approx((1.5, 0.0, 0.0))
+        later.join()
+        start = time.monotonic()
+        assert poses.at(1.3).position == (2.0, 0.0, 0.0)  # none after it: the nearest
+        assert time.monotonic() - start < POSE_WAIT_S + 0.5
+        node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)
