@@ -103,7 +103,7 @@ class PoseInput:
     def _behind(self, stamp: float) -> bool:
         """Poses flow, but none has come yet at or after `stamp` (caller holds the lock)."""
         newest = self.buffer.newest()
-        return (newest is not None and newest < stamp
+        return (newest is not None and stamp is not None and newest < stamp
                 and time.monotonic() - self.last_arrival < POSE_FLOWING_S)
 
     def close(self) -> None:

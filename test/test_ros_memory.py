@@ -138,7 +138,7 @@ def test_an_answer_without_poses_still_has_one_pose_per_evidence_chunk():
         == (0, 0, 0)
 
 
-def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it():
+def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it(monkeypatch):
     """The pose stream runs on the node's executor and may lag the camera: a chunk past the
     newest pose gets the interpolated pose once the next pose comes (within POSE_WAIT_S), and
     the nearest one, after at most POSE_WAIT_S, when none comes."""
@@ -147,6 +147,7 @@ def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it():
 
     import rclpy
 
+    from deltas_ros import ros_memory
     from deltas_ros.ros_memory import POSE_WAIT_S, PoseInput
 
     context = rclpy.Context()
@@ -159,9 +160,11 @@ def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it():
         later = threading.Timer(
             0.05, poses._on_pose, [pose_message("pose_stamped", 1.1, "map", (2.0, 0.0, 0.0),
                                      (0.0, 0.0, 0.0, 1.0))])
+        monkeypatch.setattr(ros_memory, "POSE_WAIT_S", 30.0)  # a late timer on a busy machine
         later.start()
         assert poses.at(1.05).position == pytest.approx((1.5, 0.0, 0.0))
         later.join()
+        monkeypatch.undo()
         start = time.monotonic()
         assert poses.at(1.3).position == (2.0, 0.0, 0.0)  # none after it: the nearest
         assert time.monotonic() - start < POSE_WAIT_S + 0.5
