@@ -20,7 +20,6 @@ from rclpy.node import Node
 
 from .action import AskMemory
 from .ros_memory import fill_answer
-from .session import NOT_CONFIGURED
 
 ACTION_SLOTS = 2  # goals accepted at once (each holds an executor thread while it runs)
 
@@ -60,7 +59,7 @@ class AskActionServer:
     def _answer(self, goal_handle) -> AskMemory.Result:
         start, goal, session = time.perf_counter(), goal_handle.request, self.node.session
         result = AskMemory.Result()
-        result.message = NOT_CONFIGURED if session is None else \
+        result.message = self.node.no_session() if session is None else \
             session.question_refusal(goal.question, goal.max_new_tokens)
         answer = None
         if not result.message:

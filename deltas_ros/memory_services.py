@@ -22,7 +22,7 @@ from .ask_action import window
 from .memory_files import MemoryPathError
 from .ros_adapters import BoundedCallbackGroup
 from .ros_memory import fill_answer
-from .session import NOT_CONFIGURED, NOT_READY, Session
+from .session import NOT_READY, Session
 from .srv import AskMemory, MemoryFile
 
 SERVICE_QUEUE = 100  # requests held per service beyond those being served; more are dropped
@@ -49,7 +49,7 @@ class MemoryServices:
     def _ask(self, request: AskMemory.Request, response: AskMemory.Response):
         start, session = time.perf_counter(), self.node.session
         values = self.node.values
-        response.error = NOT_CONFIGURED if session is None else \
+        response.error = self.node.no_session() if session is None else \
             session.question_refusal(request.question, request.max_new_tokens)
         if not response.error:
             try:
@@ -70,7 +70,7 @@ class MemoryServices:
     def _operation(self, session: Session | None, name: str, function) -> tuple[Any, str]:
         """Run a Session operation on the worker: (its OpResult or None, the error)."""
         if session is None:
-            return None, NOT_CONFIGURED
+            return None, self.node.no_session()
         if not session.ready:
             return None, NOT_READY
         try:
@@ -96,7 +96,7 @@ class MemoryServices:
     def _file_service(self, verb: str, request, response):
         session = self.node.session
         if session is None:
-            response.path, response.message = request.path[:1000], NOT_CONFIGURED
+            response.path, response.message = request.path[:1000], self.node.no_session()
             return response
         try:
             path = session.files.resolve(request.path)

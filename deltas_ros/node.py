@@ -56,7 +56,7 @@ from .ros_adapters import (
     log_frame_outcome,
 )
 from .ros_memory import MemoryImageTopic, PoseInput, pose_stamped
-from .session import NOT_READY, Level, Session
+from .session import NOT_CONFIGURED, NOT_READY, Level, Session
 
 __all__ = ["EXECUTOR_THREADS", "NOT_READY", "QUESTION_SLOTS", "SHUTDOWN_S", "MemoryNode"]
 
@@ -93,14 +93,22 @@ class MemoryNode(LifecycleNodeMixin, Node):
                           clock=Clock(clock_type=ClockType.STEADY_TIME))
         self.loader = threading.Thread(target=self._autostart, name="deltas_memory_autostart",
                                        daemon=True)
+        # Set until autostart's configure has a session or gave up: the services exist from
+        # here on, and a request in that instant must hear "not ready", not "configure it".
+        self.autostarting = threading.Event()
         if self.values["autostart"]:
+            self.autostarting.set()
             self.loader.start()
 
     def _autostart(self) -> None:
         """Configure and activate as a lifecycle manager would, in the background, so that the
         services answer "not ready" while the model loads. A refusal stops the node: nobody
         else would drive it."""
-        if self.trigger_configure() == SUCCESS and not self.stopping.is_set():
+        try:
+            configured = self.trigger_configure() == SUCCESS
+        finally:
+            self.autostarting.clear()
+        if configured and not self.stopping.is_set():
             self.trigger_activate()
         if self.failure and not self.stopping.is_set():
             rclpy.try_shutdown(context=self.context)
@@ -192,6 +200,11 @@ class MemoryNode(LifecycleNodeMixin, Node):
             return self.get_logger()
         return rclpy.logging.get_logger(f"{self.get_logger().name}.shutdown")
 
+    def no_session(self) -> str:
+        """Why a request finds no session: autostart has not got to it yet (the model is about
+        to load), or the node is unconfigured."""
+        return NOT_READY if self.autostarting.is_set() else NOT_CONFIGURED
+
     def _failed(self, reason: str) -> TransitionCallbackReturn:
         self.failure = reason
         self.get_logger().fatal(reason)
@@ -265,11 +278,14 @@ class MemoryNode(LifecycleNodeMixin, Node):
     def _on_timer(self) -> None:
         session = self.session
         if session is None:
-            level, message, values = Level.WARN, "unconfigured (lifecycle)", {}
+            starting = self.autostarting.is_set()
+            level, values = Level.WARN, {}
+            message = "loading the model" if starting else "unconfigured (lifecycle)"
+            lifecycle = "configuring" if starting else "unconfigured"
         else:
             level, message, values = session.health()
-        lifecycle = "unconfigured" if session is None else "configuring" if not session.ready \
-            else "active" if session.active else "inactive"
+            lifecycle = "configuring" if not session.ready \
+                else "active" if session.active else "inactive"
         device = str(session.memory.device) if session and session.ready \
             else self.values["device"]
         # Publishers our camera subscription has matched (0: frames cannot arrive yet).

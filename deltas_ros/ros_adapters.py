@@ -219,7 +219,11 @@ class CameraSubscription:
         while not self._stop.is_set():
             try:
                 self.executor.spin_once(timeout_sec=CAMERA_SPIN_S)
-            except ExternalShutdownException:  # a signal shut the context down
+            except ExternalShutdownException:  # a signal shut the context down during a wait
+                return
+            except RuntimeError:  # RCLError: ... before a wait (no wait set on a dead context)
+                if self.node.context.ok():
+                    raise
                 return
 
     def publisher_reliability(self) -> bool | None:

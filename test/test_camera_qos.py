@@ -99,6 +99,18 @@ def test_frames_arrive_on_the_camera_s_own_thread_and_stop_at_close(context):
     node.destroy_node()
 
 
+def test_the_camera_thread_ends_quietly_when_a_signal_shuts_the_context_down(context):
+    """SIGINT shuts the context down while the camera thread spins: between two waits,
+    spin_once raises RCLError (no wait set on a dead context), not ExternalShutdownException.
+    A suite run under load once caught that traceback in the node's stderr at exit."""
+    camera = subscribe(Node("memory", context=context))
+    camera._stop.set()
+    camera.thread.join()
+    camera._stop.clear()
+    context.shutdown()
+    camera._spin()  # the thread's loop, after the signal: returns without raising
+
+
 def test_the_relative_name_image_is_remappable(context):
     node = Node("camera_topic", context=context)
     assert camera_topic(node, False, "/camera/image_raw") == "/remapped/cam"

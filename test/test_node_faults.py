@@ -76,18 +76,31 @@ def statuses(tester: Tester) -> list[tuple[int, str]]:
 
 
 def test_services_answer_not_ready_while_the_model_loads(tiny_model_dir, ros_env, monkeypatch):
-    release = threading.Event()
-    real_load = session_module.load_model
+    """From the node's first instant: also before autostart's configure has a session (held
+    here; a suite run under load once asked in that instant and heard "configure it first")."""
+    configure, release = threading.Event(), threading.Event()
+    real_configure, real_load = session_module.Session.configure, session_module.load_model
+
+    def held_configure(values):
+        configure.wait(60)
+        return real_configure(values)
 
     def slow_load(*args, **kwargs):
         release.wait(60)  # a 9B model takes a while to load
         return real_load(*args, **kwargs)
 
+    monkeypatch.setattr(session_module.Session, "configure", staticmethod(held_configure))
     monkeypatch.setattr(session_module, "load_model", slow_load)
     tester = Tester()
     try:
-        with node_in_process(tiny_model_dir):
+        with node_in_process(tiny_model_dir) as node:
             assert wait_until(lambda: tester.ask_client.service_is_ready())
+            assert node.session is None
+            assert tester.ask("what do you see?").error == NOT_READY
+            assert wait_until(lambda: statuses(tester))
+            assert statuses(tester)[-1] == (DiagnosticStatus.WARN, "loading the model")
+            configure.set()
+            assert wait_until(lambda: node.session is not None)
             assert tester.ask("what do you see?").error == NOT_READY
             assert tester.call(tester.reset_client, Trigger.Request()).message == NOT_READY
             save = tester.node.create_client(MemoryFile, "/deltas_memory/save_memory")
@@ -101,6 +114,7 @@ def test_services_answer_not_ready_while_the_model_loads(tiny_model_dir, ros_env
             answer = tester.ask("what do you see?", timeout=120)
             assert answer.success, answer.error
     finally:
+        configure.set()
         release.set()
         tester.close()
 
