@@ -37,11 +37,14 @@ def new_domain_id() -> Callable[[], str]:
 
     Random ids once collided: a test then saw frames of another test's replay on its own topic
     and signalled its replay before that had even started (rc -2, the CI flake of
-    test_replay_stops_cleanly_on_sigint). The start depends on the pid, so two suites run at
-    once on one machine are unlikely to overlap.
+    test_replay_stops_cleanly_on_sigint). Under pytest-xdist (scripts/test.sh runs two
+    workers) worker k of n takes every n-th id from the k-th, so workers never share one. The
+    start depends on the pid, so two suites run at once on one machine are unlikely to overlap.
     """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gw0, gw1, ... (gw0 alone: no xdist)
+    ids = DOMAIN_IDS[int(worker[2:])::int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))]
     order = itertools.count(os.getpid())
-    return lambda: str(DOMAIN_IDS[next(order) % len(DOMAIN_IDS)])
+    return lambda: str(ids[next(order) % len(ids)])
 
 
 @pytest.fixture
