@@ -101,12 +101,13 @@ class Tester:
         self.action = ActionClient(self.node, AskAction, f"{namespace}/ask")
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
+        self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._spin, daemon=True)
         self.thread.start()
 
     def _spin(self) -> None:
         try:
-            while self.context.ok():
+            while not self.stopping.is_set() and self.context.ok():
                 self.executor.spin_once(timeout_sec=0.05)
         except ExternalShutdownException:
             pass
@@ -234,9 +235,12 @@ class Tester:
             time.sleep(0.05)
 
     def close(self) -> None:
+        """The spin thread ends before the context does: shut down under it, spin_once raises
+        RCLError between two waits (a warning in a loaded suite run)."""
+        self.stopping.set()
+        self.thread.join(2)
         self.node.destroy_node()
         rclpy.try_shutdown(context=self.context)
-        self.thread.join(2)
 
 
 def wait_future(future, timeout: float):
