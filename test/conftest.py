@@ -81,7 +81,7 @@ def ros_domain(tmp_path_factory, new_domain_id) -> Iterator[dict[str, str]]:
 
 
 # Markers, so a newcomer can run the millisecond unit tests alone:
-#   scripts/test.sh -m "not ros and not slow"
+#   scripts/test.sh -n 0 -m "not ros and not slow"
 # CI runs everything. A test is `ros` when it talks to a ROS graph (its module uses rclpy or it
 # takes a ROS environment fixture) and `slow` when it needs a model or starts processes.
 MODEL_FIXTURES = {"tiny_model", "tiny_model_dir"}

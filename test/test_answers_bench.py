@@ -27,6 +27,7 @@ def test_wilson_interval():
     assert hi == 1.0 and 0.69 < lo < 0.73
 
 
+@pytest.mark.slow  # streams through the shipped model (no model fixture marks it)
 def test_answers_bench_runs_every_condition(tmp_path):
     answers.main(["--streams", "1", "--seconds", "6", "--lengths", "1", "--policies", "deltas",
                   "recency", "pixel_diff", "--out", str(tmp_path)])
