@@ -278,8 +278,8 @@ class MemoryNode(LifecycleNodeMixin, Node):
     def _on_timer(self) -> None:
         session = self.session
         if session is None:
-            starting = self.autostarting.is_set()
-            level, values = Level.WARN, {}
+            starting = self.autostarting.is_set()  # as session.health() says while loading
+            level, values = Level.WARN, {"model": self.values["model_path"]} if starting else {}
             message = "loading the model" if starting else "unconfigured (lifecycle)"
             lifecycle = "configuring" if starting else "unconfigured"
         else:
