@@ -56,7 +56,7 @@ from .ros_adapters import (
     log_frame_outcome,
 )
 from .ros_memory import MemoryImageTopic, PoseInput, pose_stamped
-from .session import NOT_CONFIGURED, NOT_READY, Level, Session
+from .session import NOT_CONFIGURED, NOT_READY, Level, Session, loading_health
 
 __all__ = ["EXECUTOR_THREADS", "NOT_READY", "QUESTION_SLOTS", "SHUTDOWN_S", "MemoryNode"]
 
@@ -277,11 +277,11 @@ class MemoryNode(LifecycleNodeMixin, Node):
 
     def _on_timer(self) -> None:
         session = self.session
-        if session is None:
-            starting = self.autostarting.is_set()  # as session.health() says while loading
-            level, values = Level.WARN, {"model": self.values["model_path"]} if starting else {}
-            message = "loading the model" if starting else "unconfigured (lifecycle)"
-            lifecycle = "configuring" if starting else "unconfigured"
+        if session is None and self.autostarting.is_set():
+            (level, message, values), lifecycle = loading_health(self.values), "configuring"
+        elif session is None:
+            level, message, values = Level.WARN, "unconfigured (lifecycle)", {}
+            lifecycle = "unconfigured"
         else:
             level, message, values = session.health()
             lifecycle = "configuring" if not session.ready \

@@ -58,6 +58,11 @@ class Level(enum.IntEnum):
     ERROR = 2
 
 
+def loading_health(values: dict[str, Any]) -> tuple[Level, str, dict[str, Any]]:
+    """The diagnostics report while the model loads (also before autostart has a session)."""
+    return Level.WARN, "loading the model", {"model": values["model_path"]}
+
+
 @dataclass(frozen=True)
 class StreamRecord:
     """Where the memory's stream stands: what a save records and a load continues from."""
@@ -357,7 +362,7 @@ class Session:
         """Level, message and values of the 1 Hz diagnostics report. WARN on what happened
         since the previous report, not forever after one dropped chunk or bad frame."""
         if not self.ready:
-            return Level.WARN, "loading the model", {"model": self.values["model_path"]}
+            return loading_health(self.values)
         counters, sampler, worker = self.worker.counters, self.sampler, self.worker
         now, last = time.monotonic(), self._at_last_report
         bad = self.gate.bad_frames + self.callback_errors

@@ -5,6 +5,8 @@ evidence arrays of an answer, which always have equal lengths (zeros where unkno
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -14,10 +16,11 @@ from deltas_ros.srv import AskMemory
 from geometry_msgs.msg import PoseStamped, PoseWithCovarianceStamped
 from nav_msgs.msg import Odometry
 
+from deltas_ros import ros_memory
 from deltas_ros.memory_results import Answer
 from deltas_ros.poses import Pose, PoseBuffer
 from deltas_ros.ros_adapters import to_time_msg
-from deltas_ros.ros_memory import POSE_TYPES, fill_answer, pose_of
+from deltas_ros.ros_memory import POSE_TYPES, PoseInput, fill_answer, pose_of
 from deltas_ros.slots import SlotTable
 
 STAMP = 1_700_000_000.25
@@ -138,17 +141,11 @@ def test_an_answer_without_poses_still_has_one_pose_per_evidence_chunk():
         == (0, 0, 0)
 
 
-def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it(monkeypatch):
+def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it(ros_env, monkeypatch):
     """The pose stream runs on the node's executor and may lag the camera: a chunk past the
     newest pose gets the interpolated pose once the next pose comes (within POSE_WAIT_S), and
-    the nearest one, after at most POSE_WAIT_S, when none comes."""
-    import threading
-    import time
-
-    import rclpy
-
-    from deltas_ros import ros_memory
-    from deltas_ros.ros_memory import POSE_WAIT_S, PoseInput
+    the nearest one, after a bounded wait, when none comes."""
+    import rclpy  # here: a module that imports rclpy is marked `ros` as a whole (conftest)
 
     context = rclpy.Context()
     rclpy.init(context=context)
@@ -167,7 +164,7 @@ def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it(monkeypatch):
         monkeypatch.undo()
         start = time.monotonic()
         assert poses.at(1.3).position == (2.0, 0.0, 0.0)  # none after it: the nearest
-        assert time.monotonic() - start < POSE_WAIT_S + 0.5
+        assert time.monotonic() - start < 10.0  # POSE_WAIT_S again, not the 30 s above
         node.destroy_node()
     finally:
         rclpy.try_shutdown(context=context)
