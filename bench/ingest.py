@@ -13,25 +13,38 @@ ChunkBuilder.build (the CPU part of add_chunk; the model itself is left out). Tw
 (the node now: a raw subscription, the stamp and frame_id read from the CDR bytes by
 deltas_ros.cdr, only sampled frames deserialized), each an input of its own in the same run.
 The executor is rclpy's SingleThreadedExecutor ("single"), or a MultiThreadedExecutor with the
-node's thread count ("node"), each spun with spin() as the node does. Per frame, over the window
-from the first to the last callback:
+node's thread count ("node"), each spun with spin() as the node does ("camera" and "events":
+below). Per frame, over the window from the first to the last callback:
 - callback CPU: time.thread_time() around that path, split into non-sampled frames, sampled
   frames (decode) and chunk builds;
-- executor thread CPU (single executor only): time.thread_time() from callback to callback, which
+- executor thread CPU (single and events only): time.thread_time() from callback to callback, which
   adds rclpy's take and deserialization of the message into Python objects and the executor's own
   work;
 - process CPU: time.process_time() from callback to callback, which adds the DDS threads that
   receive and reassemble the message; as a share of one core: process CPU / wall time.
+- middleware threads CPU: the part of the process CPU spent on Fast DDS's own threads (named
+  dds.*: the shared-memory receive thread that reassembles each frame from its fragments, the
+  event thread that acknowledges them), from /proc/self/task/*/schedstat between the first
+  callback and the end of the stream. Any subscriber of this camera pays it, whatever its
+  callback does; with the callback and one copy of the message (copy_ms) it is the floor that
+  no executor or take can go under.
 An idle baseline (subscribed, no camera, --idle seconds) and the deserialization of one message
 alone (rclpy.serialization, median of 20) are measured too, and the process's minor page faults
 per frame (resource.getrusage): each frame is copied three times on its way in (Fast DDS's
 reassembly, rmw's serialized take, rclpy's bytes), and a copy onto fresh pages costs more than
 the copy itself.
+
+The "events" executor is rclpy's experimental EventsExecutor (C++, no Python wait set per
+frame) in place of "single", spun by spin_once in a loop as the camera thread spins: measured
+beside the others, not used by the node (README, Performance: an open rclpy bug crashes it when
+a subscription with event callbacks is destroyed, which the node's camera subscription does
+when it follows the camera's QoS).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 import threading
@@ -41,8 +54,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import rclpy
 from rclpy.executors import Executor, MultiThreadedExecutor, SingleThreadedExecutor
+from rclpy.experimental import EventsExecutor
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CompressedImage, Image
@@ -78,10 +93,13 @@ EXECUTORS = {
     # the node's CameraSubscription, on its own node and SingleThreadedExecutor thread.
     "camera": lambda context: MultiThreadedExecutor(num_threads=EXECUTOR_THREADS,
                                                     context=context),
+    "events": lambda context: EventsExecutor(context=context),
 }
+ONE_THREAD = ("single", "events")  # executors that run every callback on the spinning thread
+MIDDLEWARE_THREAD = "dds."  # Fast DDS names its threads dds.shm.<port>, dds.ev.<id>, ...
 PATHS = ("deserialize", "raw")  # an input name without a path is the deserialize path
 DEFAULT_INPUTS = ["rgb8/single", "rgb8/single/raw", "jpeg/single", "jpeg/single/raw",
-                  "rgb8/node", "rgb8/node/raw", "rgb8/camera/raw"]
+                  "rgb8/node", "rgb8/node/raw", "rgb8/camera/raw", "rgb8/events/raw"]
 TARGETS = {"non_sampled_ms": 0.1, "process_percent": 5.0}
 
 
@@ -96,6 +114,22 @@ class FrameRecord:
     build_s: float  # CPU time of ChunkBuilder.build, 0 unless the frame finished a chunk
 
 
+def middleware_cpu_s() -> float | None:
+    """CPU seconds so far of this process's Fast DDS threads (None without schedstat); threads
+    that already ended are not counted (Fast DDS keeps its threads for the participant's life)."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if not comm.read().startswith(MIDDLEWARE_THREAD):
+                    continue
+            with open(f"/proc/self/task/{tid}/schedstat") as schedstat:
+                total += int(schedstat.read().split()[0])  # ns on the CPU
+    except FileNotFoundError:  # no schedstat (or a thread ended between the two reads)
+        return None
+    return total / 1e9
+
+
 class Ingest:
     """The node's per-frame path in a subscriber, with CPU clocks around it."""
 
@@ -107,6 +141,7 @@ class Ingest:
                                               DEFAULT_PIXEL_BUDGET)
         self.position = 0
         self.records: list[FrameRecord] = []
+        self.middleware_s: float | None = None  # middleware_cpu_s() at the first callback
         qos = QoSProfile(depth=FRAME_HISTORY, reliability=ReliabilityPolicy.RELIABLE,
                          durability=DurabilityPolicy.VOLATILE)
         self.msg_type = Image if encoding == "rgb8" else CompressedImage
@@ -127,6 +162,8 @@ class Ingest:
 
     def record(self, header: Callable[[], tuple[float, str]],
                decode: Callable[[], Any]) -> None:
+        if not self.records:  # once, outside the first frame's timings
+            self.middleware_s = middleware_cpu_s()
         thread0, process0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         sampled_before = self.gate.sampler.sampled
@@ -152,6 +189,21 @@ def deserialize_ms(encoding: str, width: int, height: int) -> float:
     return median(times)
 
 
+def copy_ms(encoding: str, width: int, height: int) -> float:
+    """One copy of a serialized message into a buffer reused from copy to copy (median of 20):
+    the least any subscriber pays to take a frame out of the middleware (rmw's serialized take
+    copies it once; rclpy's bytes once more, onto fresh pages)."""
+    raw = np.frombuffer(serialize_message(frame_bank(encoding, width, height, 1.0, 0)[0]),
+                        dtype=np.uint8)
+    into = np.empty_like(raw)
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        np.copyto(into, raw)
+        times.append((time.perf_counter() - start) * 1e3)
+    return median(times)
+
+
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     encoding, executor_kind, path = (name + "/deserialize").split("/")[:3]
     context = rclpy.Context()
@@ -163,7 +215,15 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                 FRAME_HISTORY) if own_thread else None
     executor: Executor = EXECUTORS[executor_kind](context=context)
     executor.add_node(node)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
+    stop = threading.Event()
+
+    def spin_once_loop() -> None:  # as the camera thread spins
+        while not stop.is_set():
+            executor.spin_once(timeout_sec=0.1)
+
+    # An EventsExecutor's spin() starved the process's other Python threads (no frame arrived).
+    spinner = threading.Thread(target=spin_once_loop if executor_kind == "events"
+                               else executor.spin, daemon=True)
     spinner.start()
     try:
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -178,24 +238,41 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         deadline = time.monotonic() + 30.0
         while len(ingest.records) < published["published"] and time.monotonic() < deadline:
             time.sleep(0.05)
+        middleware = (middleware_cpu_s(), time.perf_counter())  # the stream's end
     finally:
         if camera is not None:
             camera.close()
+        stop.set()
+        if executor_kind == "events":  # its loop ends within one spin_once
+            spinner.join(5)
         executor.shutdown(timeout_sec=5)
         spinner.join(5)
         node.destroy_node()
         rclpy.try_shutdown(context=context)
     return summarize(ingest.records, published, idle_percent,
-                     deserialize_ms(encoding, args.width, args.height), executor_kind == "single")
+                     deserialize_ms(encoding, args.width, args.height),
+                     copy_ms(encoding, args.width, args.height),
+                     executor_kind in ONE_THREAD, (ingest.middleware_s, *middleware))
 
 
 def summarize(records: list[FrameRecord], published: dict[str, Any], idle_percent: float,
-              deserialize: float, one_thread: bool) -> dict[str, Any]:
+              deserialize: float, copy: float, one_thread: bool,
+              middleware: tuple[float | None, float | None, float]) -> dict[str, Any]:
+    """middleware: Fast DDS threads' CPU seconds at the first callback and at the stream's end,
+    and perf_counter at the end (their share of a core is over that window).
+
+    floor: what the process pays per frame whatever its executor and take: the middleware
+    threads, the node's own callback and one copy of the message (`copy_ms`)."""
     if len(records) < 2:
         raise RuntimeError(f"only {len(records)} frames arrived of {published['published']}")
     first, last = records[0], records[-1]
     intervals = len(records) - 1
     wall = last.wall_s - first.wall_s
+    middleware_start, middleware_end, end_wall = middleware
+    middleware_ms = None if middleware_start is None or middleware_end is None else (
+        middleware_end - middleware_start) * 1e3
+    callback_ms = sum((r.path_s + r.build_s) * 1e3 for r in records[:-1]) / intervals
+    floor_ms = None if middleware_ms is None else middleware_ms / intervals + callback_ms + copy
     skipped = [r.path_s * 1e3 for r in records if not r.sampled]
     process_ms = (last.process_s - first.process_s) * 1e3
     return {
@@ -207,17 +284,28 @@ def summarize(records: list[FrameRecord], published: dict[str, Any], idle_percen
                            "max": max(skipped, default=float("nan"))},
         "sampled_ms": median([r.path_s * 1e3 for r in records if r.sampled]),
         "build_ms": median([r.build_s * 1e3 for r in records if r.build_s > 0]),
-        "callback_ms_per_frame": sum((r.path_s + r.build_s) * 1e3 for r in records[:-1])
-        / intervals,
+        "callback_ms_per_frame": callback_ms,
         "executor_thread_ms_per_frame": (last.thread_s - first.thread_s) * 1e3 / intervals
         if one_thread else None,
         "process_ms_per_frame": process_ms / intervals,
         "process_percent": 100 * process_ms / 1e3 / wall,
         "page_faults_per_frame": (last.page_faults - first.page_faults) / intervals,
+        "middleware_ms_per_frame": None if middleware_ms is None else middleware_ms / intervals,
+        "middleware_percent": None if middleware_ms is None
+        else 100 * middleware_ms / 1e3 / (end_wall - first.wall_s),
         "idle_percent": idle_percent,
         "deserialize_ms": deserialize,
+        "copy_ms": copy,
+        "floor_ms_per_frame": floor_ms,
+        "floor_percent": None if floor_ms is None else 100 * floor_ms * intervals / 1e3 / wall,
         "camera_process_percent": 100 * published["cpu_s"] / published["wall_s"],
     }
+
+
+def middleware_cell(r: dict[str, Any]) -> str:
+    if r["middleware_ms_per_frame"] is None:
+        return "n/a (no schedstat)"
+    return f"{r['middleware_ms_per_frame']:.3f}, {r['middleware_percent']:.2f} %"
 
 
 def report(results: dict[str, Any]) -> str:
@@ -231,13 +319,14 @@ def report(results: dict[str, Any]) -> str:
             f"{r['sampled_ms']:.2f}", f"{r['build_ms']:.2f}", f"{r['callback_ms_per_frame']:.3f}",
             f"{r['deserialize_ms']:.3f}", "n/a" if thread is None else f"{thread:.3f}",
             f"{r['process_ms_per_frame']:.3f}", f"{r['page_faults_per_frame']:.0f}",
-            f"{r['process_percent']:.2f} %",
+            f"{r['process_percent']:.2f} %", middleware_cell(r),
             f"{r['idle_percent']:.2f} %", f"{r['camera_process_percent']:.1f} %"])
     body = md_table([
         "input / executor", "frames recv/pub", "message", "non-sampled µs (median / p99 / max)",
         "sampled ms (decode)", "chunk build ms", "callback CPU ms/frame",
         "deserialize ms (alone)", "executor thread CPU ms/frame", "process CPU ms/frame",
-        "page faults/frame", "process CPU, % of one core", "idle baseline",
+        "page faults/frame", "process CPU, % of one core",
+        "of which middleware threads: ms/frame, % of one core", "idle baseline",
         "camera process (not counted)"], rows)
     checks = []
     for name, r in results["inputs"].items():
@@ -249,6 +338,18 @@ def report(results: dict[str, Any]) -> str:
                        f"{r['process_percent']:.2f} % of one core", "< 5 %",
                        verdict(r["process_percent"] < TARGETS["process_percent"])
                        if name.startswith("rgb8") else "(target is for raw)"])
+    for name, r in results["inputs"].items():
+        if r["floor_percent"] is None or not name.startswith("rgb8"):
+            continue
+        # what the 5 % leaves per frame for the executor and the take (beyond one copy)
+        budget_ms = TARGETS["process_percent"] / r["process_percent"] * r["process_ms_per_frame"]
+        spare_ms = budget_ms - r["floor_ms_per_frame"]
+        checks.append([
+            f"floor under it, {name}: middleware threads {r['middleware_ms_per_frame']:.3f}"
+            f" + callback {r['callback_ms_per_frame']:.3f} + one copy {r['copy_ms']:.3f}"
+            " ms/frame", f"{r['floor_percent']:.2f} % of one core", "< 5 %",
+            f"leaves {spare_ms:.3f} ms/frame for the executor and the take" if spare_ms > 0
+            else "not reachable by any executor or take"])
     body += "\n" + md_table(["check", "measured", "target", "result"], checks)
     ros = results["ros"]
     body += (f"\nMiddleware: {ros['rmw']}, Fast DDS transports: "
@@ -258,7 +359,8 @@ def report(results: dict[str, Any]) -> str:
              f"MultiThreadedExecutor(num_threads={EXECUTOR_THREADS}) running the callback, "
              "camera = the node as it runs: that executor spins the node and the subscription "
              "is the node's CameraSubscription, on its own node and SingleThreadedExecutor "
-             "thread. Paths: without a "
+             "thread; events = rclpy's experimental EventsExecutor in place of single (not "
+             "used by the node). Paths: without a "
              "suffix, rclpy takes and deserializes each message before the callback runs "
              "(that cost is in the executor-thread and process columns, not in the callback "
              "column); /raw: a raw subscription, the stamp read from the CDR bytes, only "

@@ -123,17 +123,24 @@ def test_bounded_memory(tmp_path):
 
 def test_ingest(tmp_path, ros_env):
     ingest.main(["--seconds", "2", "--width", "320", "--height", "240", "--idle", "0.3",
-                 "--inputs", "rgb8/single", "jpeg/node", "--out", str(tmp_path)])
+                 "--inputs", "rgb8/single", "jpeg/node", "rgb8/events/raw",
+                 "--out", str(tmp_path)])
     results = written(tmp_path, "ingest")
-    assert set(results["inputs"]) == {"rgb8/single", "jpeg/node"}
+    assert set(results["inputs"]) == {"rgb8/single", "jpeg/node", "rgb8/events/raw"}
     for name, run in results["inputs"].items():
         assert run["published"] == 60 and run["received"] >= 50, name
         assert run["sampled"] >= 3 and run["chunks"] >= 1
         assert 0 < run["non_sampled_ms"]["median"] < run["sampled_ms"]
         assert run["build_ms"] > 0 and run["process_percent"] > 0
         assert run["page_faults_per_frame"] >= 0
+        # Fast DDS's threads receive every frame; they are part of the process, never all of it
+        assert 0 < run["middleware_ms_per_frame"] < run["process_ms_per_frame"], name
+        assert 0 < run["middleware_percent"] < run["process_percent"], name
+        assert run["copy_ms"] > 0 and run["floor_ms_per_frame"] == pytest.approx(
+            run["middleware_ms_per_frame"] + run["callback_ms_per_frame"] + run["copy_ms"])
     assert results["inputs"]["rgb8/single"]["message_bytes"] == 320 * 240 * 3
     assert results["inputs"]["rgb8/single"]["executor_thread_ms_per_frame"] > 0
+    assert results["inputs"]["rgb8/events/raw"]["executor_thread_ms_per_frame"] > 0
     assert results["inputs"]["jpeg/node"]["executor_thread_ms_per_frame"] is None
 
 
