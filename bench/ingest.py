@@ -57,7 +57,6 @@ from typing import Any
 import numpy as np
 import rclpy
 from rclpy.executors import Executor, MultiThreadedExecutor, SingleThreadedExecutor
-from rclpy.experimental import EventsExecutor
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CompressedImage, Image
@@ -84,6 +83,13 @@ from .common import (
     verdict,
 )
 
+
+def events_executor(context: rclpy.Context) -> Executor:
+    """rclpy's experimental EventsExecutor, imported here: rclpy before Kilted has none."""
+    from rclpy.experimental import EventsExecutor
+    return EventsExecutor(context=context)
+
+
 TOPICS = {"rgb8": "/bench/camera/image_raw", "jpeg": "/bench/camera/image_raw/compressed"}
 EXECUTORS = {
     "single": SingleThreadedExecutor,
@@ -93,7 +99,7 @@ EXECUTORS = {
     # the node's CameraSubscription, on its own node and SingleThreadedExecutor thread.
     "camera": lambda context: MultiThreadedExecutor(num_threads=EXECUTOR_THREADS,
                                                     context=context),
-    "events": lambda context: EventsExecutor(context=context),
+    "events": events_executor,
 }
 ONE_THREAD = ("single", "events")  # executors that run every callback on the spinning thread
 MIDDLEWARE_THREAD = "dds."  # Fast DDS names its threads dds.shm.<port>, dds.ev.<id>, ...
@@ -115,19 +121,50 @@ class FrameRecord:
 
 
 def middleware_cpu_s() -> float | None:
-    """CPU seconds so far of this process's Fast DDS threads (None without schedstat); threads
-    that already ended are not counted (Fast DDS keeps its threads for the participant's life)."""
+    """CPU seconds so far of this process's Fast DDS threads (None where the kernel keeps no
+    schedstat); threads that already ended are not counted (Fast DDS keeps its threads for the
+    participant's life)."""
+    if not os.path.exists("/proc/self/schedstat"):
+        return None
     total = 0
-    try:
-        for tid in os.listdir("/proc/self/task"):
+    for tid in os.listdir("/proc/self/task"):
+        try:
             with open(f"/proc/self/task/{tid}/comm") as comm:
                 if not comm.read().startswith(MIDDLEWARE_THREAD):
                     continue
             with open(f"/proc/self/task/{tid}/schedstat") as schedstat:
                 total += int(schedstat.read().split()[0])  # ns on the CPU
-    except FileNotFoundError:  # no schedstat (or a thread ended between the two reads)
-        return None
+        except OSError:  # the thread ended between listdir and the reads
+            continue
     return total / 1e9
+
+
+def start_spinning(executor: Executor, kind: str) -> Callable[[], None]:
+    """Spin `executor` on a thread of its own; returns what stops it. An EventsExecutor is spun
+    by spin_once in a loop, as the camera thread spins: its spin() starved the process's other
+    Python threads (no frame arrived)."""
+    if kind != "events":
+        thread = threading.Thread(target=executor.spin, daemon=True)
+        thread.start()
+
+        def stop() -> None:
+            executor.shutdown(timeout_sec=5)
+            thread.join(5)
+        return stop
+    done = threading.Event()
+
+    def spin_once_loop() -> None:
+        while not done.is_set():
+            executor.spin_once(timeout_sec=0.1)
+
+    thread = threading.Thread(target=spin_once_loop, daemon=True)
+    thread.start()
+
+    def stop_loop() -> None:
+        done.set()
+        thread.join(5)  # within one spin_once, so it is not shut down under a spin
+        executor.shutdown(timeout_sec=5)
+    return stop_loop
 
 
 class Ingest:
@@ -215,16 +252,12 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                 FRAME_HISTORY) if own_thread else None
     executor: Executor = EXECUTORS[executor_kind](context=context)
     executor.add_node(node)
-    stop = threading.Event()
+    stop_spinning = start_spinning(executor, executor_kind)
 
-    def spin_once_loop() -> None:  # as the camera thread spins
-        while not stop.is_set():
-            executor.spin_once(timeout_sec=0.1)
+    def stream_end() -> tuple[int, float | None, float]:
+        """Frames so far, the middleware threads' CPU seconds and perf_counter now."""
+        return len(ingest.records), middleware_cpu_s(), time.perf_counter()
 
-    # An EventsExecutor's spin() starved the process's other Python threads (no frame arrived).
-    spinner = threading.Thread(target=spin_once_loop if executor_kind == "events"
-                               else executor.spin, daemon=True)
-    spinner.start()
     try:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         time.sleep(args.idle)
@@ -236,30 +269,30 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         # The camera exits once every frame is acknowledged; callbacks may still be due. A frame
         # that never comes is reported (received < published), not fatal.
         deadline = time.monotonic() + 30.0
+        end = stream_end()  # moved to the last frame that comes, not to the deadline
         while len(ingest.records) < published["published"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        middleware = (middleware_cpu_s(), time.perf_counter())  # the stream's end
+            if len(ingest.records) > end[0]:
+                end = stream_end()
     finally:
         if camera is not None:
             camera.close()
-        stop.set()
-        if executor_kind == "events":  # its loop ends within one spin_once
-            spinner.join(5)
-        executor.shutdown(timeout_sec=5)
-        spinner.join(5)
+        stop_spinning()
         node.destroy_node()
         rclpy.try_shutdown(context=context)
     return summarize(ingest.records, published, idle_percent,
                      deserialize_ms(encoding, args.width, args.height),
                      copy_ms(encoding, args.width, args.height),
-                     executor_kind in ONE_THREAD, (ingest.middleware_s, *middleware))
+                     executor_kind in ONE_THREAD, (ingest.middleware_s, *end[1:]))
 
 
 def summarize(records: list[FrameRecord], published: dict[str, Any], idle_percent: float,
               deserialize: float, copy: float, one_thread: bool,
               middleware: tuple[float | None, float | None, float]) -> dict[str, Any]:
-    """middleware: Fast DDS threads' CPU seconds at the first callback and at the stream's end,
-    and perf_counter at the end (their share of a core is over that window).
+    """middleware: Fast DDS threads' CPU seconds at the first callback and at the stream's end
+    (the publisher's exit, or the last frame that came after it), and perf_counter at the end:
+    their share of a core is over that window, which ends within a few tenths of a second of
+    the callbacks' window.
 
     floor: what the process pays per frame whatever its executor and take: the middleware
     threads, the node's own callback and one copy of the message (`copy_ms`)."""
@@ -303,6 +336,7 @@ def summarize(records: list[FrameRecord], published: dict[str, Any], idle_percen
 
 
 def middleware_cell(r: dict[str, Any]) -> str:
+    """The middleware threads' column: ms per frame and share of a core."""
     if r["middleware_ms_per_frame"] is None:
         return "n/a (no schedstat)"
     return f"{r['middleware_ms_per_frame']:.3f}, {r['middleware_percent']:.2f} %"

@@ -133,10 +133,14 @@ def test_ingest(tmp_path, ros_env):
         assert 0 < run["non_sampled_ms"]["median"] < run["sampled_ms"]
         assert run["build_ms"] > 0 and run["process_percent"] > 0
         assert run["page_faults_per_frame"] >= 0
+        assert run["copy_ms"] > 0
+        if not os.path.exists("/proc/self/schedstat"):  # a kernel without it: no split
+            assert run["middleware_ms_per_frame"] is None and run["floor_percent"] is None
+            continue
         # Fast DDS's threads receive every frame; they are part of the process, never all of it
         assert 0 < run["middleware_ms_per_frame"] < run["process_ms_per_frame"], name
         assert 0 < run["middleware_percent"] < run["process_percent"], name
-        assert run["copy_ms"] > 0 and run["floor_ms_per_frame"] == pytest.approx(
+        assert run["floor_ms_per_frame"] == pytest.approx(
             run["middleware_ms_per_frame"] + run["callback_ms_per_frame"] + run["copy_ms"])
     assert results["inputs"]["rgb8/single"]["message_bytes"] == 320 * 240 * 3
     assert results["inputs"]["rgb8/single"]["executor_thread_ms_per_frame"] > 0
