@@ -13,8 +13,8 @@ ChunkBuilder.build (the CPU part of add_chunk; the model itself is left out). Tw
 (the node now: a raw subscription, the stamp and frame_id read from the CDR bytes by
 deltas_ros.cdr, only sampled frames deserialized), each an input of its own in the same run.
 The executor is rclpy's SingleThreadedExecutor ("single"), or a MultiThreadedExecutor with the
-node's thread count ("node"), each spun with spin() as the node does ("camera" and "events":
-below). Per frame, over the window from the first to the last callback:
+node's thread count ("node"), each spun by spin_once in a loop as rclpy's spin() does
+("camera" and "events": below). Per frame, over the window from the first to the last callback:
 - callback CPU: time.thread_time() around that path, split into non-sampled frames, sampled
   frames (decode) and chunk builds;
 - executor thread CPU (single and events only): time.thread_time() from callback to callback, which
@@ -26,7 +26,7 @@ below). Per frame, over the window from the first to the last callback:
   dds.*: the shared-memory receive thread that reassembles each frame from its fragments, the
   event thread that acknowledges them), from /proc/self/task/*/schedstat between the first
   callback and the end of the stream. Any subscriber of this camera pays it, whatever its
-  callback does; with the callback and one copy of the message (copy_ms) it is the floor that
+  callback does; with the callback and one copy of the message (alone_ms) it is the floor that
   no executor or take can go under.
 An idle baseline (subscribed, no camera, --idle seconds) and the deserialization of one message
 alone (rclpy.serialization, median of 20) are measured too, and the process's minor page faults
@@ -35,10 +35,9 @@ reassembly, rmw's serialized take, rclpy's bytes), and a copy onto fresh pages c
 the copy itself.
 
 The "events" executor is rclpy's experimental EventsExecutor (C++, no Python wait set per
-frame) in place of "single", spun by spin_once in a loop as the camera thread spins: measured
-beside the others, not used by the node (README, Performance: an open rclpy bug crashes it when
-a subscription with event callbacks is destroyed, which the node's camera subscription does
-when it follows the camera's QoS).
+frame) in place of "single": measured beside the others, not used by the node (README,
+Performance: an open rclpy bug crashes it when a subscription with event callbacks is
+destroyed, which the node's camera subscription does when it follows the camera's QoS).
 """
 
 from __future__ import annotations
@@ -139,18 +138,10 @@ def middleware_cpu_s() -> float | None:
     return total / 1e9
 
 
-def start_spinning(executor: Executor, kind: str) -> Callable[[], None]:
-    """Spin `executor` on a thread of its own; returns what stops it. An EventsExecutor is spun
-    by spin_once in a loop, as the camera thread spins: its spin() starved the process's other
-    Python threads (no frame arrived)."""
-    if kind != "events":
-        thread = threading.Thread(target=executor.spin, daemon=True)
-        thread.start()
-
-        def stop() -> None:
-            executor.shutdown(timeout_sec=5)
-            thread.join(5)
-        return stop
+def start_spinning(executor: Executor) -> Callable[[], None]:
+    """Spin `executor` on a thread of its own by spin_once in a loop (what rclpy's spin() does,
+    and how the camera thread spins; an EventsExecutor's own spin() starved the process's other
+    Python threads: no frame arrived); returns what stops it."""
     done = threading.Event()
 
     def spin_once_loop() -> None:
@@ -160,11 +151,11 @@ def start_spinning(executor: Executor, kind: str) -> Callable[[], None]:
     thread = threading.Thread(target=spin_once_loop, daemon=True)
     thread.start()
 
-    def stop_loop() -> None:
+    def stop() -> None:
         done.set()
-        thread.join(5)  # within one spin_once, so it is not shut down under a spin
+        thread.join(5)  # within one spin_once, so the executor is not shut down under a spin
         executor.shutdown(timeout_sec=5)
-    return stop_loop
+    return stop
 
 
 class Ingest:
@@ -215,30 +206,26 @@ class Ingest:
             thread1 - thread0, time.thread_time() - thread1 if outcome.chunk else 0.0))
 
 
-def deserialize_ms(encoding: str, width: int, height: int) -> float:
+def alone_ms(encoding: str, width: int, height: int) -> tuple[float, float]:
+    """Medians of 20 on one serialized message, outside the stream: deserializing it, and one
+    copy of it into a buffer reused from copy to copy. The copy is the least any subscriber
+    pays to take a frame out of the middleware (rmw's serialized take copies it once; rclpy's
+    bytes once more, onto fresh pages)."""
     message = frame_bank(encoding, width, height, 1.0, 0)[0]
-    raw, msg_type = serialize_message(message), type(message)
-    times = []
-    for _ in range(20):
-        start = time.perf_counter()
-        deserialize_message(raw, msg_type)
-        times.append((time.perf_counter() - start) * 1e3)
-    return median(times)
+    raw = serialize_message(message)
+    source = np.frombuffer(raw, dtype=np.uint8)
+    into = np.empty_like(source)
 
+    def median_ms(operation: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            operation()
+            times.append((time.perf_counter() - start) * 1e3)
+        return median(times)
 
-def copy_ms(encoding: str, width: int, height: int) -> float:
-    """One copy of a serialized message into a buffer reused from copy to copy (median of 20):
-    the least any subscriber pays to take a frame out of the middleware (rmw's serialized take
-    copies it once; rclpy's bytes once more, onto fresh pages)."""
-    raw = np.frombuffer(serialize_message(frame_bank(encoding, width, height, 1.0, 0)[0]),
-                        dtype=np.uint8)
-    into = np.empty_like(raw)
-    times = []
-    for _ in range(20):
-        start = time.perf_counter()
-        np.copyto(into, raw)
-        times.append((time.perf_counter() - start) * 1e3)
-    return median(times)
+    return (median_ms(lambda: deserialize_message(raw, type(message))),
+            median_ms(lambda: np.copyto(into, source)))
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -252,7 +239,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                 FRAME_HISTORY) if own_thread else None
     executor: Executor = EXECUTORS[executor_kind](context=context)
     executor.add_node(node)
-    stop_spinning = start_spinning(executor, executor_kind)
+    stop_spinning = start_spinning(executor)
 
     def stream_end() -> tuple[int, float | None, float]:
         """Frames so far, the middleware threads' CPU seconds and perf_counter now."""
@@ -281,8 +268,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         node.destroy_node()
         rclpy.try_shutdown(context=context)
     return summarize(ingest.records, published, idle_percent,
-                     deserialize_ms(encoding, args.width, args.height),
-                     copy_ms(encoding, args.width, args.height),
+                     *alone_ms(encoding, args.width, args.height),
                      executor_kind in ONE_THREAD, (ingest.middleware_s, *end[1:]))
 
 
@@ -295,7 +281,7 @@ def summarize(records: list[FrameRecord], published: dict[str, Any], idle_percen
     the callbacks' window.
 
     floor: what the process pays per frame whatever its executor and take: the middleware
-    threads, the node's own callback and one copy of the message (`copy_ms`)."""
+    threads, the node's own callback and one copy of the message (`alone_ms`)."""
     if len(records) < 2:
         raise RuntimeError(f"only {len(records)} frames arrived of {published['published']}")
     first, last = records[0], records[-1]
