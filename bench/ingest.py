@@ -198,12 +198,12 @@ class Ingest:
         stamp, _frame_id = header()
         outcome = self.gate.push(stamp, decode)
         thread1 = time.thread_time()
-        if outcome.chunk is not None:
-            chunk = self.builder.build(outcome.chunk.frames, outcome.chunk.times, self.position)
+        for sampled in outcome.chunks:
+            chunk = self.builder.build(sampled.frames, sampled.times, self.position)
             self.position = chunk.next_position
         self.records.append(FrameRecord(
             thread0, process0, wall0, faults, self.gate.sampler.sampled > sampled_before,
-            thread1 - thread0, time.thread_time() - thread1 if outcome.chunk else 0.0))
+            thread1 - thread0, time.thread_time() - thread1 if outcome.chunks else 0.0))
 
 
 def alone_ms(encoding: str, width: int, height: int) -> tuple[float, float]:

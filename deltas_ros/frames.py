@@ -24,24 +24,32 @@ restarted camera or a long outage must still be followed):
    clock) are handled by rule 3: alone they never move the clock.
 3. A frame whose stamp disagrees with the clock - earlier by more than `tolerance_s` (a jump
    back) or later by more than `max_gap_s` (a jump forward) - is evidence for a new timeline,
-   not a new timeline. It is decoded (an undecodable frame is no evidence) and held. Only
-   CONFIRM_FRAMES (3) consecutive decoded frames agreeing on the new timeline - stamps strictly
-   increasing, each within `max_gap_s` of the previous one (the time bound: the evidence spans at
-   most 2 x max_gap_s of stamp time) - confirm it. Then a jump back starts a new stream (the
-   caller resets its memory) and a jump forward opens a new segment (memory kept, the gap shows
-   in stream time), and the held frames become the first frames of that timeline, so a looped
-   bag's second pass gives the same chunks as its first.
+   not a new timeline. Evidence is a run of frames with stamps strictly increasing, each within
+   `max_gap_s` of the previous one. It confirms the new timeline once it has lasted
+   `confirm_s` of ARRIVAL time (the node's monotonic clock when each message came; offline,
+   where a recording is read as fast as it goes, the stamps themselves) and holds at least
+   `confirm_frames` (3) frames. Then a jump back starts a new stream (the caller resets its
+   memory) and a jump forward opens a new segment (memory kept, the gap shows in stream time),
+   and the held frames become the first frames of that timeline, so a looped bag's second pass
+   gives the same chunks as its first.
 4. A frame that agrees with the clock ends any evidence being gathered: the held frames are
    dropped and counted (`stamp_outliers`, and as bad frames). The current timeline wins, so
    doubtful evidence keeps the memory rather than wiping it.
 
-Why three: one frame is what the attacks used; two can be one stray message and its re-send;
-three consecutive, increasing, decodable frames cost three camera periods on a real jump (0.1 s
-at 30 Hz, 1.5 s at 2 Hz), and lose none of them. Evidence holds at most 3 decoded frames.
+Why arrival time and not a count of frames: a count measures messages, and any client can send
+three messages in a millisecond while the real camera goes on; a second of arrival time with no
+frame of the current clock in it is what a looped bag, a restarted camera or a reset simulation
+clock show and a burst does not. The cost on a real jump is `confirm_s` of video, which is held,
+not lost.
+
+Held frames are bounded: the evidence keeps only the frames the new timeline would sample (a grid
+at `fps` from its first stamp; only those are decoded), at most `4 * frames_per_chunk` of them;
+beyond that the oldest is dropped and counted in `dropped_frames` (a replay much faster than
+real time loses the start of its new pass, never more than that bound holds).
 
 Decoding cost: frames that agree with the clock and are not due for sampling cost two stamp
-comparisons and are never decoded, as before. Frames that disagree with the clock are decoded,
-since they are the evidence; that is at most one decode per message, bounded by the size limits.
+comparisons and are never decoded. A frame of the evidence is decoded when the new timeline
+would sample it (an undecodable one is no evidence), so at most one decode per sampling slot.
 """
 
 from __future__ import annotations
@@ -246,9 +254,12 @@ class TimeEvent(enum.Enum):
 
 UNSET_STAMP = math.nan  # what message_stamp gives for a header stamp never set
 
-# Consecutive decoded frames that must agree on a new timeline before the clock follows it
-# (parameter-to-be: confirm_frames). See the module docstring for why three.
+# A new timeline is confirmed by CONFIRM_S of arrival time and at least CONFIRM_FRAMES frames
+# (module docstring, rule 3). CONFIRM_S is the node's `timeline_confirm_s` default.
 CONFIRM_FRAMES = 3
+CONFIRM_S = 1.0
+# Held evidence frames, in chunks: a replay at up to 4x real time keeps its new pass whole.
+EVIDENCE_CHUNKS = 4
 
 
 @dataclass(eq=False)
@@ -264,16 +275,33 @@ class SampledChunk:
     times: list[float] = field(default_factory=list)  # stamp - first stamp of the stream (s)
 
 
+@dataclass(eq=False)
+class Evidence:
+    """Frames of a timeline other than the clock's, gathered until they confirm it (rule 3).
+
+    `held` are the decoded frames the new timeline would sample, on a grid at `fps` from the
+    first stamp (at most `limit`; beyond, the oldest goes); `frames` counts every frame of it.
+    """
+
+    first_arrival: float
+    last_stamp: float
+    grid: float  # the first stamp: the new timeline's sampling grid starts here
+    due: float  # the next stamp the new timeline would sample
+    held: list[tuple[np.ndarray, float]] = field(default_factory=list)
+    frames: int = 0
+    shed: int = 0  # held frames dropped for the bound
+
+
 class FrameSampler:
     """Resample a camera stream to `fps` by header stamps (never arrival time), group frames into
     chunks, and keep the stream clock by the rule in the module docstring.
 
     Per frame (FrameGate does this): observe(stamp) classifies it against the clock without
     changing anything. NONE: if wants(stamp), decode and add(frame, stamp). JUMP_BACK / GAP:
-    decode and propose(frame, stamp), which holds it as evidence and follows the new timeline
-    once CONFIRM_FRAMES agree. Sampling slots lie on a grid origin + k / fps; a frame fills the
-    open slot if it is no more than tolerance_s early, so timestamp jitter neither drops nor
-    doubles slots.
+    if evidence_wants(stamp), decode; then propose(frame or None, stamp, arrival), which gathers
+    the evidence and follows the new timeline once it is confirmed. Sampling slots lie on a grid
+    origin + k / fps; a frame fills the open slot if it is no more than tolerance_s early, so
+    timestamp jitter neither drops nor doubles slots.
     """
 
     def __init__(
@@ -282,6 +310,7 @@ class FrameSampler:
         frames_per_chunk: int = 2,
         max_gap_s: float = 10.0,
         tolerance_s: float = 0.005,
+        confirm_s: float = CONFIRM_S,
         confirm_frames: int = CONFIRM_FRAMES,
     ) -> None:
         if not fps > 0:
@@ -293,21 +322,22 @@ class FrameSampler:
         if not 0 <= tolerance_s < 0.5 / fps:
             raise ValueError(f"tolerance_s must be in [0, half a period {0.5 / fps}), got "
                              f"{tolerance_s}")
-        if not 2 <= confirm_frames < 2 * frames_per_chunk:
-            # One frame never moves the clock; the held frames complete at most one chunk.
-            raise ValueError(f"confirm_frames must be in [2, 2 * frames_per_chunk), got "
-                             f"{confirm_frames}")
+        if not 0 <= confirm_s < math.inf:
+            raise ValueError(f"confirm_s must be finite and >= 0, got {confirm_s}")
+        if confirm_frames < 2:  # one frame never moves the clock
+            raise ValueError(f"confirm_frames must be >= 2, got {confirm_frames}")
         self.fps = fps
         self.frames_per_chunk = frames_per_chunk
         self.max_gap_s = max_gap_s
         self.tolerance_s = tolerance_s
+        self.confirm_s = confirm_s
         self.confirm_frames = confirm_frames
         self.received = 0
         self.sampled = 0
         self.dropped_frames = 0
         self.time_jumps_back = 0
         self.time_gaps = 0
-        self.stamp_outliers = 0  # frames held as evidence for a new timeline that never came
+        self.stamp_outliers = 0  # frames of evidence for a new timeline that never came
         self.chunks = 0
         self._first: float | None = None  # stream start: stream times count from here
         self._last: float | None = None  # the clock: latest accepted stamp
@@ -316,7 +346,7 @@ class FrameSampler:
         self._index = 0
         self._frames: list[np.ndarray] = []
         self._stamps: list[float] = []
-        self._evidence: list[tuple[np.ndarray, float]] = []  # held frames of a new timeline
+        self._evidence: Evidence | None = None
 
     def observe(self, stamp: float) -> TimeEvent:
         """Count a frame and say how its stamp relates to the clock; changes nothing else."""
@@ -333,28 +363,54 @@ class FrameSampler:
         """Whether add() should get this frame; pure, so only wanted frames need decoding."""
         return self._first is None or stamp >= self._next_due - self.tolerance_s
 
+    def evidence_wants(self, stamp: float) -> bool:
+        """Whether propose() needs this off-clock frame decoded: it starts evidence, or the new
+        timeline would sample it. Pure, as wants()."""
+        evidence = self._evidence
+        return not self._continues(evidence, stamp) or stamp >= evidence.due - self.tolerance_s
+
     def add(self, frame: np.ndarray, stamp: float) -> SampledChunk | None:
         """Commit a wanted, decoded (H, W, 3) frame that agrees with the clock (observe() said
         NONE); it ends any evidence held for another timeline. Returns the chunk it completes."""
         self.dismiss_evidence()
         return self._add(frame, stamp)
 
-    def propose(self, frame: np.ndarray, stamp: float) -> tuple[TimeEvent, SampledChunk | None]:
-        """Hold a decoded frame that disagrees with the clock as evidence for a new timeline.
+    def propose(self, frame: np.ndarray | None, stamp: float, arrival: float
+                ) -> tuple[TimeEvent, list[SampledChunk]]:
+        """Gather a frame that disagrees with the clock as evidence for a new timeline.
 
-        Returns (NONE, None) while the evidence is not sufficient; on the confirm_frames-th
-        agreeing frame, (JUMP_BACK or GAP, the chunk the held frames complete on the new
-        timeline, if any: fewer than 2 * frames_per_chunk frames complete at most one).
+        frame: decoded when evidence_wants(stamp), else None. arrival: when it came (seconds of
+        a monotonic clock). Returns (NONE, []) until the evidence confirms the timeline; then
+        (JUMP_BACK or GAP, the chunks the held frames complete on it).
         """
-        if self._evidence:
-            previous = self._evidence[-1][1]
-            if not previous < stamp <= previous + self.max_gap_s:
-                self.dismiss_evidence()  # another timeline again: start over from this frame
-        self._evidence.append((frame, stamp))
-        if len(self._evidence) < self.confirm_frames:
-            return TimeEvent.NONE, None
-        held, self._evidence = self._evidence, []
-        start = held[0][1]
+        evidence = self._evidence
+        if not self._continues(evidence, stamp):
+            self.dismiss_evidence()  # another timeline again: start over from this frame
+            evidence = self._evidence = Evidence(arrival, stamp, grid=stamp, due=stamp)
+        evidence.frames += 1
+        evidence.last_stamp = stamp
+        if frame is not None:
+            slot = math.floor((stamp - evidence.grid + self.tolerance_s) * self.fps)
+            evidence.due = evidence.grid + (slot + 1) / self.fps
+            evidence.held.append((frame, stamp))
+            if len(evidence.held) > EVIDENCE_CHUNKS * self.frames_per_chunk:
+                del evidence.held[0]
+                evidence.shed += 1
+        if evidence.frames < self.confirm_frames or arrival - evidence.first_arrival \
+                < self.confirm_s:
+            return TimeEvent.NONE, []
+        return self._follow(evidence)
+
+    def _continues(self, evidence: Evidence | None, stamp: float) -> bool:
+        """Whether `stamp` carries `evidence` on: later than its last frame, within max_gap_s."""
+        return evidence is not None and \
+            evidence.last_stamp < stamp <= evidence.last_stamp + self.max_gap_s
+
+    def _follow(self, evidence: Evidence) -> tuple[TimeEvent, list[SampledChunk]]:
+        """The evidence is confirmed: move the clock to its timeline, its frames first."""
+        self._evidence = None
+        self.dropped_frames += evidence.shed
+        start = evidence.held[0][1]
         self._drop_partial()
         if self._last is not None and start < self._last - self.tolerance_s:
             event = TimeEvent.JUMP_BACK
@@ -364,17 +420,16 @@ class FrameSampler:
             event = TimeEvent.GAP
             self.time_gaps += 1
             self._origin = self._next_due = start  # same stream time, new sampling grid
-        chunk = None
-        for frame, stamp in held:
-            if self.wants(stamp):
-                chunk = self._add(frame, stamp) or chunk
-        return event, chunk
+        chunks = [chunk for frame, stamp in evidence.held
+                  if self.wants(stamp) and (chunk := self._add(frame, stamp)) is not None]
+        return event, chunks
 
     def dismiss_evidence(self) -> int:
-        """Drop the frames held for a new timeline (counted in stamp_outliers); how many."""
-        count = len(self._evidence)
+        """Drop the evidence gathered for a new timeline (counted in stamp_outliers); how many
+        frames it had."""
+        count = self._evidence.frames if self._evidence is not None else 0
         self.stamp_outliers += count
-        self._evidence = []
+        self._evidence = None
         return count
 
     def reset(self) -> None:
@@ -457,10 +512,11 @@ def decode_message(msg) -> np.ndarray:
 
 @dataclass(eq=False)
 class GateOutcome:
-    """What one incoming frame did: a time event, a finished chunk, or why it was dropped."""
+    """What one incoming frame did: a time event, the chunks it finished (one at most, except
+    when a confirmed timeline's held frames complete several), or why it was dropped."""
 
     event: TimeEvent = TimeEvent.NONE
-    chunk: SampledChunk | None = None
+    chunks: list[SampledChunk] = field(default_factory=list)
     error: str = ""
 
 
@@ -468,8 +524,9 @@ class FrameGate:
     """The per-frame path shared by the node, offline runs and benchmarks.
 
     stamp set? -> agrees with the clock? -> sampled? -> decode (only then) -> chunk; a stamp off
-    the clock -> decode -> evidence (module docstring). Failures are counted and reported, never
-    raised: a bad frame leaves its sampling slot open and the clock where it was.
+    the clock -> decode if the new timeline would sample it -> evidence (module docstring).
+    Failures are counted and reported, never raised: a bad frame leaves its sampling slot open
+    and the clock where it was.
     """
 
     def __init__(self, sampler: FrameSampler) -> None:
@@ -478,7 +535,11 @@ class FrameGate:
         self.bad_stamps = 0  # of which: unset (NaN from message_stamp) or negative stamps
         self.last_error = ""
 
-    def push(self, stamp: float, decode: Callable[[], np.ndarray]) -> GateOutcome:
+    def push(self, stamp: float, decode: Callable[[], np.ndarray],
+             arrival: float | None = None) -> GateOutcome:
+        """One frame. arrival: when it came, in seconds of a monotonic clock (the node:
+        time.monotonic()); None takes the stamp itself, for a recording read faster than real
+        time, whose stamps are the only clock it has."""
         sampler = self.sampler
         outcome = GateOutcome()
         event = sampler.observe(stamp)
@@ -490,13 +551,18 @@ class FrameGate:
         elif event is TimeEvent.NONE:
             sampler.dismiss_evidence()  # agrees with the clock: held evidence was a stray
             if sampler.wants(stamp) and (frame := self._decode(decode, outcome)) is not None:
-                outcome.chunk = sampler.add(frame, stamp)
-        elif (frame := self._decode(decode, outcome)) is not None:
-            outcome.event, outcome.chunk = sampler.propose(frame, stamp)
+                outcome.chunks = [chunk] if (chunk := sampler.add(frame, stamp)) else []
+        else:  # off the clock: evidence, decoded where the new timeline would sample it
+            wanted = sampler.evidence_wants(stamp)
+            frame = self._decode(decode, outcome) if wanted else None
+            if frame is not None or not wanted:  # an undecodable frame is no evidence
+                outcome.event, outcome.chunks = sampler.propose(
+                    frame, stamp, stamp if arrival is None else arrival)
         if sampler.stamp_outliers > outliers:
             count = sampler.stamp_outliers - outliers
             self._refuse(outcome, f"{count} frame(s) stamped off the stream clock dropped: a "
-                         f"new timeline needs {sampler.confirm_frames} consecutive frames", count)
+                         f"new timeline needs {sampler.confirm_s:g} s of frames with none on "
+                         "the current clock", count)
         return outcome
 
     def _decode(self, decode: Callable[[], np.ndarray], outcome: GateOutcome

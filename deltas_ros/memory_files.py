@@ -26,6 +26,7 @@ METADATA_KEY = "deltas_ros.memory"  # persist.METADATA_KEY (not imported: that p
 DEFAULT_NAME = "memory.safetensors"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
 MIN_KEY_BYTES = 16
+RESET_FILES = 3  # saves kept of memories a time jump reset: before-reset-<k>.safetensors
 
 
 class MemoryPathError(ValueError):
@@ -53,10 +54,17 @@ class MemoryFiles:
     def resolve(self, requested: str, checking: str = "the requested path") -> Path:
         """The file `requested` names inside the directory ("" = the default file).
 
-        Raises MemoryPathError if it leads outside, into a missing folder, or to a folder.
+        Raises MemoryPathError if it leads outside, into a missing folder, or to a folder, or
+        if the system refuses to look it up (a name too long, a folder not searchable).
         """
         if not requested:
             return self.default
+        try:
+            return self._resolve(requested, checking)
+        except OSError as error:
+            raise MemoryPathError(f"{checking} {requested[:100]!r}: {error.strerror}") from None
+
+    def _resolve(self, requested: str, checking: str) -> Path:
         if "\x00" in requested:
             raise MemoryPathError(f"{checking} contains a NUL character")
         given = Path(requested).expanduser()
@@ -75,6 +83,13 @@ class MemoryFiles:
         if path.exists() and not path.is_file():
             raise MemoryPathError(f"{checking} {requested!r} is not a regular file")
         return path
+
+    def before_reset(self) -> Path:
+        """Where a memory a time jump is about to reset is saved: the first free one of
+        before-reset-0 .. RESET_FILES-1, else the oldest of them (replaced)."""
+        paths = [self.root / f"before-reset-{k}.safetensors" for k in range(RESET_FILES)]
+        free = [path for path in paths if not path.exists()]
+        return free[0] if free else min(paths, key=lambda path: path.stat().st_mtime_ns)
 
     def for_saving(self, path: Path) -> Path:
         """`path` if a save may write it: absent, or an existing memory file (checked now, on

@@ -158,7 +158,8 @@ class MemoryNode(LifecycleNodeMixin, Node):
         except ValueError as error:  # a bad QoS override parameter
             return self._failed(f"cannot activate: {error}")
         if p["pose_topic"]:
-            self.poses = PoseInput(self, p["pose_topic"], p["pose_type"], p["pose_max_gap_s"])
+            self.poses = PoseInput(self, p["pose_topic"], p["pose_type"], p["pose_max_gap_s"],
+                                   self.session.note_pose_refused)
         self.session.active = True
         self.get_logger().info("active: taking camera frames and questions")
         return SUCCESS

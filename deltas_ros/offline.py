@@ -235,14 +235,12 @@ def run_stream(
             summary.resets += 1
         if outcome.error:
             reasons[outcome.error] += 1
-        chunk = outcome.chunk
-        if chunk is None:
-            continue
-        result = memory.add_chunk(chunk.frames, chunk.times, stamp=chunk.stamps[-1])
-        record = ChunkRecord.from_result(chunk, result)
-        summary.records.append(record)
-        if on_chunk is not None:
-            on_chunk(record)
+        for chunk in outcome.chunks:
+            result = memory.add_chunk(chunk.frames, chunk.times, stamp=chunk.stamps[-1])
+            record = ChunkRecord.from_result(chunk, result)
+            summary.records.append(record)
+            if on_chunk is not None:
+                on_chunk(record)
     summary.wall_s = time.perf_counter() - start
     summary.sampled, summary.chunks = sampler.sampled, sampler.chunks
     summary.dropped_frames, summary.time_gaps = sampler.dropped_frames, sampler.time_gaps

@@ -79,6 +79,10 @@ PARAMS: tuple[Param, ...] = (
     Param("max_gap_s", 10.0,
           "A forward stamp jump larger than this starts a new segment (memory kept)",
           low=0.5, high=86_400.0),
+    Param("timeline_confirm_s", 1.0,
+          "Arrival seconds a new camera timeline (stamps jumped back, or forward past max_gap_s) "
+          "must keep coming, with no frame on the current one, before it is followed",
+          low=0.1, high=60.0),
     Param("max_question_chars", 2000, "Longest question accepted", read_only=False, low=1,
           high=100_000),
     Param("max_question_s", 60.0,

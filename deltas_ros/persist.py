@@ -116,7 +116,7 @@ def save_memory(memory: StreamingMemory, path: str | Path, extra: dict | None = 
             "kv_tokens": memory.kv_tokens,
             "last_stamp": stamps.get(state.chunks_seen - 1),
             "chunk_stamps": {str(c): s for c, s in sorted(stamps.items())},
-            "chunk_poses": {str(c): None if p is None else p.to_json()
+            "chunk_poses": {str(c): _stored_pose(p)
                             for c, p in sorted(state.chunk_poses.items())},
         },
         "extra": dict(extra or {}),
@@ -331,6 +331,15 @@ def _counter(value: Any) -> bool:
 def _stamp(value: Any) -> bool:
     """A header stamp: None or a finite number (not a string, not a bool)."""
     return value is None or _is(value, (int, float))
+
+
+def _stored_pose(pose: Pose | None) -> list | None:
+    """What a file stores for a chunk's pose: Pose.to_json, or None (unknown) for a pose that
+    is not storable, so one chunk's metadata never fails a whole save."""
+    try:
+        return None if pose is None else Pose.from_json(pose.to_json()).to_json()
+    except ValueError:
+        return None
 
 
 def _pose(value: Any) -> bool:

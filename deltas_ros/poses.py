@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_FRAME_ID = 256  # characters of a frame id kept with a pose
+# Farthest position accepted, in metres from the frame's origin: ten times Earth's radius, so
+# ECEF and UTM coordinates pass, and 1e308 (whose interpolation overflows) does not.
+MAX_POSITION_M = 1e8
 
 
 @dataclass(frozen=True)
@@ -33,14 +36,17 @@ class Pose:
     @classmethod
     def checked(cls, frame_id: str, position: Sequence[float],
                 orientation: Sequence[float]) -> Pose:
-        """A pose with a unit quaternion (normalised here), or ValueError saying what is
-        wrong."""
+        """A pose with a unit quaternion (normalised here) and a position within MAX_POSITION_M
+        of the origin, or ValueError saying what is wrong."""
         if not isinstance(frame_id, str) or len(frame_id) > MAX_FRAME_ID:
             raise ValueError(f"a pose's frame_id must be a string of at most {MAX_FRAME_ID} "
                              f"characters")
         values = [float(v) for v in (*position, *orientation)]
         if len(values) != 7 or not all(math.isfinite(v) for v in values):
             raise ValueError("a pose needs 3 finite position and 4 finite orientation values")
+        if max(abs(v) for v in values[:3]) > MAX_POSITION_M:
+            raise ValueError(f"a pose's position {values[:3]} is more than {MAX_POSITION_M:g} m "
+                             "from its frame's origin")
         norm = math.sqrt(sum(q * q for q in values[3:]))
         if norm < 1e-6:
             raise ValueError("a pose's orientation quaternion has zero length")
@@ -78,8 +84,9 @@ def slerp(a: Sequence[float], b: Sequence[float], t: float) -> tuple[float, ...]
 
 
 def interpolate(a: Pose, b: Pose, t: float) -> Pose:
-    """The pose a fraction t of the way from a to b (a's frame)."""
-    position = tuple(x + t * (y - x) for x, y in zip(a.position, b.position))
+    """The pose a fraction t of the way from a to b (a's frame). The weighted sum never leaves
+    [min, max] of the two values, so it cannot overflow where y - x could."""
+    position = tuple((1 - t) * x + t * y for x, y in zip(a.position, b.position))
     return Pose(a.frame_id, position, slerp(a.orientation, b.orientation, t))
 
 

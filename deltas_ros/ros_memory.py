@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,14 +70,16 @@ def fill_answer(target: Any, answer: Answer) -> None:
 
 
 class PoseInput:
-    """pose_topic into a bounded PoseBuffer; `at` is called from the worker thread."""
+    """pose_topic into a bounded PoseBuffer; `at` is called from the worker thread.
+    A pose message that is not a pose (Pose.checked) is refused, logged and `on_refused()`."""
 
-    def __init__(self, node: Node, topic: str, kind: str, max_gap_s: float) -> None:
+    def __init__(self, node: Node, topic: str, kind: str, max_gap_s: float,
+                 on_refused: Callable[[], None]) -> None:
         self.node, self.lock = node, threading.Lock()
         self.arrived = threading.Condition(self.lock)
         self.last_arrival = -math.inf  # time.monotonic() when the newest pose came
         self.buffer = PoseBuffer(POSE_HISTORY, max_gap_s)
-        self.bad = 0
+        self.on_refused = on_refused
         self.subscription = node.create_subscription(POSE_TYPES[kind], topic, self._on_pose,
                                                      POSE_QUEUE)
         node.get_logger().info(f"poses from {node.resolve_topic_name(topic)} "
@@ -90,7 +93,7 @@ class PoseInput:
                 self.last_arrival = time.monotonic()
                 self.arrived.notify_all()
         except ValueError as error:  # counted and logged; the buffer is unchanged
-            self.bad += 1
+            self.on_refused()
             self.node.get_logger().warning(f"dropped a pose: {error}", throttle_duration_sec=5.0)
 
     def at(self, stamp: float) -> Pose | None:

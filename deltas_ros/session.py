@@ -34,7 +34,7 @@ import torch
 
 from .frames import FrameGate, FrameSampler, GateOutcome, SampledChunk, TimeEvent
 from .memory import ChunkResult, MemoryStats, StreamingMemory, question_problem
-from .memory_files import MemoryFiles, read_key, read_metadata
+from .memory_files import MemoryFiles, MemoryPathError, read_key, read_metadata
 from .model import load_model
 from .params import BY_NAME, memory_config, validate
 from .persist import load_memory, save_memory
@@ -48,6 +48,7 @@ NOT_READY = "not ready: the model is still loading"
 NOT_CONFIGURED = "not configured: the node is unconfigured (lifecycle); configure it first"
 NOT_ACTIVE = "not active: the node is inactive (lifecycle); activate it to ask"
 MAX_STREAM_INDEX = 2**31 - 1
+JUMP_RESET = "jump_reset"  # the worker operation a time jump back queues (save, then reset)
 
 
 class Level(enum.IntEnum):
@@ -112,15 +113,16 @@ def continue_clock(record: StreamRecord, live_stamp: float | None, live_index: i
     the later of the file's and the camera's (`live_index`): chunks the camera made after the
     save left the memory with the load, but their indices were published and are never given
     twice. With a live camera behind the saved stamps (another clock: a replay, sim time), the
-    live stream continues the saved one one frame period after its last frame. Never a jump
-    back: loading does not wipe what it loaded.
+    live stream continues the saved one one frame period after its last frame, its indices too
+    from the later of the two. Never a jump back: loading does not wipe what it loaded.
     """
     if live_stamp is None:
         return record.stream_start, record.last_stamp, record.next_chunk_index
     if live_stamp >= record.last_stamp:
         return record.stream_start, live_stamp, max(record.next_chunk_index, live_index)
     saved_span = record.last_stamp - record.stream_start
-    return live_stamp - saved_span - 1.0 / fps, live_stamp, record.next_chunk_index
+    return (live_stamp - saved_span - 1.0 / fps, live_stamp,
+            max(record.next_chunk_index, live_index))
 
 
 def memory_in_use() -> dict[str, int]:
@@ -165,7 +167,7 @@ class Session:
         self.files = files
         self.key = key
         self.sampler = FrameSampler(values["fps"], values["frames_per_chunk"],
-                                    values["max_gap_s"])
+                                    values["max_gap_s"], confirm_s=values["timeline_confirm_s"])
         self.gate = FrameGate(self.sampler)
         self.frame_lock = threading.Lock()  # the sampler: camera thread and worker operations
         self.counter_lock = threading.Lock()
@@ -185,6 +187,8 @@ class Session:
         self.requests_refused = 0
         self.autosaves = 0
         self.resets = 0  # worker thread only
+        self.reset_saves = 0  # memories saved before a time jump reset them (worker thread)
+        self.poses_refused = 0  # pose messages refused at the subscription
         self.started_wall = time.monotonic()
         self.last_frame_wall = 0.0
         self._at_last_report = {"frames": 0, "drops": 0, "bad": 0}
@@ -249,27 +253,32 @@ class Session:
                    frame_id: str = "") -> tuple[GateOutcome, int]:
         """Camera thread: one frame through the gate; (its outcome, chunks dropped for it).
 
-        A finished chunk goes to the worker (when ready; before, it is counted); a jump back
-        queues a reset in order with the chunks."""
-        self.last_frame_wall = time.monotonic()
+        Finished chunks go to the worker (when ready; before, they are counted); a jump back
+        queues a reset in order with the chunks. The arrival time that confirms a new timeline
+        is this call's."""
+        self.last_frame_wall = arrival = time.monotonic()
         with self.frame_lock:
-            outcome = self.gate.push(stamp, decode)
-            if outcome.chunk is not None:  # only accepted frames make chunks: the live clock
-                self.live_stamp = outcome.chunk.stamps[-1]
+            outcome = self.gate.push(stamp, decode, arrival)
+            if outcome.chunks:  # only accepted frames make chunks: the live clock
+                self.live_stamp = outcome.chunks[-1].stamps[-1]
         worker = self.worker
         if outcome.event is TimeEvent.JUMP_BACK and worker is not None:
-            worker.post(self._reset_after_jump, "reset")
+            worker.post(self._reset_after_jump, JUMP_RESET)
         dropped = 0
-        if outcome.chunk is not None:
+        for chunk in outcome.chunks:
             self.frame_id = frame_id[:FRAME_ID_MAX]
             if worker is None:
                 self.chunks_before_ready += 1
             else:
-                dropped = worker.submit_chunk(outcome.chunk)
+                dropped += worker.submit_chunk(chunk)
         return outcome, dropped
 
     def note_callback_error(self) -> None:
         self.callback_errors += 1
+
+    def note_pose_refused(self) -> None:
+        with self.counter_lock:
+            self.poses_refused += 1
 
     # ----------------------------------------------------------------------------- worker side
     def chunk_done(self, chunk: SampledChunk, result: ChunkResult) -> None:
@@ -294,10 +303,16 @@ class Session:
         return self._done(memory, record=None, discarded=discarded)
 
     def save(self, memory: StreamingMemory, path: Path) -> OpResult:
-        """Worker thread: write the memory and its stream record to `path` (inside memory_dir)."""
+        """Worker thread: write the memory and its stream record to `path` (inside memory_dir).
+
+        Only a refused path is the caller's mistake (MemoryPathError, a ValueError); anything
+        else that stops the write is a failed save (RuntimeError), counted as one."""
         stream = self.record.to_json() if self.record else {}
-        save_memory(memory, self.files.for_saving(path), extra={"stream": stream},
-                    key=self.key)
+        target = self.files.for_saving(path)
+        try:
+            save_memory(memory, target, extra={"stream": stream}, key=self.key)
+        except ValueError as error:
+            raise RuntimeError(f"cannot write the memory to {target}: {error}") from error
         return self._done(memory, record=self.record)
 
     def load(self, memory: StreamingMemory, path: Path) -> OpResult:
@@ -321,10 +336,22 @@ class Session:
 
     def _reset_after_jump(self, memory: StreamingMemory) -> None:
         """Worker thread, queued by the camera in order with the chunks: the sampler has
-        already started the new stream; only the memory and the record follow."""
+        already started the new stream; the memory is saved (MemoryFiles.before_reset), then
+        it and the record follow. A failed save does not stop the reset (the new stream's
+        chunks cannot join the old one): it is raised afterwards, counted and reported."""
+        failure = ""
+        if memory.chunks_seen:
+            path = self.files.before_reset()
+            try:
+                self.save(memory, path)
+                self.reset_saves += 1
+            except (MemoryPathError, RuntimeError, OSError) as error:
+                failure = f"saving the memory to {path} before a time-jump reset failed: {error}"
         memory.reset()
         self.resets += 1
         self._done(memory, record=None)
+        if failure:
+            raise RuntimeError(failure)
 
     def autosave(self, memory: StreamingMemory) -> None:
         """Worker thread: save to the default file (every autosave_chunks, and at shutdown)."""
@@ -405,7 +432,9 @@ class Session:
             "questions_refused": self.questions_refused,
             "requests_refused": counters.requests_refused + self.requests_refused,
             "resets": self.resets,
-            "saves_failed": counters.failed["save"],
+            "saves_failed": counters.failed["save"] + counters.failed[JUMP_RESET],
+            "reset_saves": self.reset_saves,
+            "poses_refused": self.poses_refused,
             "loads_failed": counters.failed["load"],
             "resets_failed": counters.failed["reset"],
             "autosaves": self.autosaves,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import math
 import random
 import time
 
@@ -394,7 +395,8 @@ def test_reset_forgets_the_stream():
         ({"tolerance_s": 0.25}, "tolerance_s"),  # half of a 0.5 s period
         ({"frames_per_chunk": 1}, "frames_per_chunk"),
         ({"confirm_frames": 1}, "confirm_frames"),
-        ({"confirm_frames": 4}, "confirm_frames"),  # 4 held frames could complete two chunks
+        ({"confirm_s": -0.1}, "confirm_s"),
+        ({"confirm_s": math.inf}, "confirm_s"),
     ],
 )
 def test_sampler_validates_arguments(kwargs, expected):
@@ -416,8 +418,7 @@ def test_frame_gate_decodes_only_sampled_frames_and_counts_bad_ones():
 
     for i in range(60):
         outcome = gate.push(100.0 + i / 30, decoder(i))
-        if outcome.chunk is not None:
-            chunks.append(outcome.chunk)
+        chunks += outcome.chunks
         assert outcome.error == ("corrupt" if i == 15 else "")
     assert decoded == [0, 15, 16, 30, 45]  # the bad frame's slot stays open for the next one
     assert gate.bad_frames == 1 and len(chunks) == 2
@@ -451,14 +452,14 @@ def unset_stamp() -> float:
     return message_stamp(SimpleNamespace(header=SimpleNamespace(stamp=stamp)))
 
 
-def feed(gate: FrameGate, frames) -> tuple[list[SampledChunk], list[TimeEvent]]:
-    """Push (stamp, decode) pairs; the chunks and the time events that came out."""
+def feed(gate: FrameGate, frames, arrivals=None) -> tuple[list[SampledChunk], list[TimeEvent]]:
+    """Push (stamp, decode) pairs, arriving at `arrivals` (None: at their stamps, as offline);
+    the chunks and the time events that came out."""
     chunks, events = [], []
-    for stamp, decode in frames:
-        outcome = gate.push(stamp, decode)
+    for k, (stamp, decode) in enumerate(frames):
+        outcome = gate.push(stamp, decode, None if arrivals is None else arrivals[k])
         events.append(outcome.event)
-        if outcome.chunk is not None:
-            chunks.append(outcome.chunk)
+        chunks += outcome.chunks
     return chunks, events
 
 
@@ -533,28 +534,28 @@ def test_a_time_of_zero_that_is_no_header_is_a_time():
     assert chunks[0].stamps == [0.0, 0.5] and gate.bad_stamps == 0
 
 
-def test_a_jump_back_needs_three_frames_and_the_next_pass_repeats_the_first():
+def test_a_jump_back_needs_a_second_of_frames_and_the_next_pass_repeats_the_first():
     gate = FrameGate(FrameSampler())
     stamps = camera(3.0)
 
     first, events_first = feed(gate, [(s, raw_rgb(s)) for s in stamps])
     second, events = feed(gate, [(s, raw_rgb(s)) for s in stamps])  # the bag looped
 
-    assert events[:3] == [TimeEvent.NONE, TimeEvent.NONE, TimeEvent.JUMP_BACK]
-    assert set(events_first + events[3:]) == {TimeEvent.NONE}
+    assert events.index(TimeEvent.JUMP_BACK) == 30  # 1 s of its frames (30 fps) after the first
+    assert set(events_first + events[:30] + events[31:]) == {TimeEvent.NONE}
     assert same_chunks(second, first) and [c.index for c in second] == [0, 1, 2]
     sampler = gate.sampler
     assert (sampler.time_jumps_back, sampler.stamp_outliers, gate.bad_frames) == (1, 0, 0)
 
 
-def test_a_gap_needs_three_frames_and_keeps_stream_time():
+def test_a_gap_needs_a_second_of_frames_and_keeps_stream_time():
     gate = FrameGate(FrameSampler(max_gap_s=10.0))
     before, _ = feed(gate, [(s, raw_rgb(s)) for s in camera(1.2)])  # chunk 0 and a partial one
     resume = BASE + 61.3  # off the old 0.5 s grid
 
-    after, events = feed(gate, [(s, raw_rgb(s)) for s in camera(1.0, start=resume)])
+    after, events = feed(gate, [(s, raw_rgb(s)) for s in camera(1.5, start=resume)])
 
-    assert events[:3] == [TimeEvent.NONE, TimeEvent.NONE, TimeEvent.GAP]
+    assert events.index(TimeEvent.GAP) == 30 and events.count(TimeEvent.GAP) == 1
     assert [c.index for c in before + after] == [0, 1]  # same stream: indices continue
     assert after[0].stamps == pytest.approx([resume, resume + 0.5], abs=1e-6)  # new grid
     assert after[0].times == pytest.approx([61.3, 61.8], abs=1e-6)  # the gap shows in time
@@ -583,6 +584,86 @@ def test_interleaved_timelines_never_confirm_and_are_counted():
     assert same_chunks(chunks, clean) and set(events) == {TimeEvent.NONE}
     assert gate.sampler.stamp_outliers == len(other) - 1  # the last one is still held
     assert "off the stream clock" in gate.last_error
+
+
+def live_with_burst(burst_offset: float) -> tuple[list, list[float]]:
+    """A live 30 fps camera for 4 s (arriving at its stamps' pace) and, 2 s in, three frames
+    stamped `burst_offset` s away (0, +0.5, +1.0 s apart), all sent within 15 ms."""
+    stamps = camera(4.0)
+    frames = [(s, raw_rgb(s)) for s in stamps]
+    arrivals = [s - BASE for s in stamps]
+    at = 60
+    burst = [BASE + 2.0 + burst_offset + d for d in (0.0, 0.5, 1.0)]
+    frames[at:at] = [(b, raw_rgb(b)) for b in burst]
+    arrivals[at:at] = [arrivals[at - 1] + 0.005 * (k + 1) for k in range(3)]
+    return frames, arrivals
+
+
+@pytest.mark.parametrize("offset", [1e7, -100.0])
+def test_a_burst_beside_the_live_camera_is_dropped_and_counted(offset):
+    """Three messages in 15 ms are three frames but not a timeline: the live camera's next frame
+    ends them, the stream goes on as if they never came."""
+    frames, arrivals = live_with_burst(offset)
+    clean, _ = feed(FrameGate(FrameSampler()), [f for f in frames if abs(f[0] - BASE) < 10],
+                    [a for f, a in zip(frames, arrivals) if abs(f[0] - BASE) < 10])
+    gate = FrameGate(FrameSampler())
+
+    chunks, events = feed(gate, frames, arrivals)
+
+    assert same_chunks(chunks, clean) and set(events) == {TimeEvent.NONE}
+    assert gate.sampler.stamp_outliers == 3 and gate.bad_frames == 3
+    assert (gate.sampler.time_jumps_back, gate.sampler.time_gaps) == (0, 0)
+
+
+def test_a_burst_alone_still_needs_a_second_of_arrival_time():
+    """With the camera silent, evidence sent all at once confirms nothing however many frames
+    it holds; the same frames spread over a second do."""
+    gate = FrameGate(FrameSampler())
+    feed(gate, [(s, raw_rgb(s)) for s in camera(1.0)], [0.0] * 30)
+    future = camera(2.0, start=BASE + 1000.0)
+    _, events = feed(gate, [(s, raw_rgb(s)) for s in future], [1.0 + k * 1e-4 for k in range(60)])
+    assert set(events) == {TimeEvent.NONE}
+    _, events = feed(gate, [(future[-1] + 0.5, raw_rgb(future[-1]))], [2.0])
+    assert events == [TimeEvent.GAP]
+
+
+def test_a_camera_that_restarts_its_clock_is_followed_from_its_first_frame():
+    """A driver restarted: stamps start again near zero (no time source yet), frames keep
+    arriving at 30 fps. After a second of them the memory's new stream starts at the first."""
+    gate = FrameGate(FrameSampler())
+    feed(gate, [(s, raw_rgb(s)) for s in camera(3.0)], [k / 30 for k in range(90)])
+    restarted = camera(3.0, start=12.0)
+    chunks, events = feed(gate, [(s, raw_rgb(s)) for s in restarted],
+                          [3.2 + k / 30 for k in range(90)])
+    assert events.count(TimeEvent.JUMP_BACK) == 1 and events.index(TimeEvent.JUMP_BACK) == 30
+    assert [c.index for c in chunks] == [0, 1, 2]
+    assert chunks[0].stamps == pytest.approx([12.0, 12.5]) and chunks[0].times[0] == 0.0
+
+
+def test_a_reset_simulation_clock_is_followed():
+    """use_sim_time and a simulator restarted: the /clock-stamped frames go back to 0.1 s."""
+    gate = FrameGate(FrameSampler(fps=2.0))
+    feed(gate, [(s, raw_rgb(s)) for s in camera(5.0, rate=10.0, start=300.0)],
+         [k / 10 for k in range(50)])
+    chunks, events = feed(gate, [(s, raw_rgb(s)) for s in camera(3.0, rate=10.0, start=0.1)],
+                          [5.0 + k / 10 for k in range(30)])
+    assert events.count(TimeEvent.JUMP_BACK) == 1
+    assert chunks[0].stamps == pytest.approx([0.1, 0.6]) and gate.sampler.stamp_outliers == 0
+
+
+def test_a_fast_replay_sheds_the_oldest_held_frames_and_counts_them():
+    """A bag looping at 10x real time: a second of arrival holds 10 s of stamps; the evidence
+    keeps the newest 4 chunks' frames, and the frames it shed are counted as dropped."""
+    gate = FrameGate(FrameSampler())
+    stamps = camera(12.0)
+    feed(gate, [(s, raw_rgb(s)) for s in stamps], [(s - BASE) / 10 for s in stamps])
+    chunks, events = feed(gate, [(s, raw_rgb(s)) for s in stamps],
+                          [2.0 + (s - BASE) / 10 for s in stamps])
+    confirmed = events.index(TimeEvent.JUMP_BACK)
+    assert confirmed == 300  # 1 s of arrival = 10 s of stamps at 30 fps
+    assert gate.sampler.dropped_frames == 21 - 8  # 0.0 .. 10.0 s held at 2 fps, 8 kept
+    assert chunks[0].stamps == pytest.approx([BASE + 6.5, BASE + 7.0])
+    assert chunks[0].times == [0.0, 0.5]  # the new stream starts where its held frames do
 
 
 def test_repeated_stamps_are_no_evidence():
@@ -632,8 +713,8 @@ def test_only_evidence_and_sampled_frames_are_decoded():
         return decode
 
     feed(gate, [(s, counting(s)) for s in camera(1.2)])
-    feed(gate, [(s, counting(s)) for s in camera(0.2, start=BASE - 10.0)])  # a jump back
-    assert decoded == [0.0, 0.5, 1.0, -10.0, -9.967, -9.933]
+    feed(gate, [(s, counting(s)) for s in camera(1.2, start=BASE - 10.0)])  # a jump back
+    assert decoded == [0.0, 0.5, 1.0, -10.0, -9.5, -9.0]  # the new timeline's samples only
 
 
 def test_a_frame_beyond_the_size_limits_is_refused_at_the_gate():

@@ -151,7 +151,7 @@ def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it(ros_env, monke
     rclpy.init(context=context)
     try:
         node = rclpy.create_node("pose_wait_test", context=context)
-        poses = PoseInput(node, "/pose_wait_test", "pose_stamped", 0.5)
+        poses = PoseInput(node, "/pose_wait_test", "pose_stamped", 0.5, lambda: None)
         poses._on_pose(pose_message("pose_stamped", 1.0, "map", (1.0, 0.0, 0.0),
                                     (0.0, 0.0, 0.0, 1.0)))
         later = threading.Timer(
