@@ -32,6 +32,7 @@ setup(
         "safetensors",
         "tokenizers",
         "opencv-python-headless",
+        "simplejpeg",
         "rosbags",
         "matplotlib",
         "tqdm",

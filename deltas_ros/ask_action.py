@@ -1,6 +1,7 @@
 """The ~/ask action: a question answered between chunks, its answer streamed as feedback token by
 token, cancellable within one token. The memory is bit-identical afterwards in every outcome
-(StreamingMemory.ask rolls back).
+(StreamingMemory.ask rolls back). A goal whose callback raises is aborted (or rejected) with the
+reason, counted in the node's `requests_failed`.
 
 Goals are rejected while the memory is not serving (the node not active, or the model not
 loaded) and when `ACTION_SLOTS` goals are already accepted (the action's question queue is
@@ -20,6 +21,7 @@ from rclpy.node import Node
 
 from .action import AskMemory
 from .ros_memory import fill_answer
+from .session import STOPPED
 
 ACTION_SLOTS = 2  # goals accepted at once (each holds an executor thread while it runs)
 
@@ -41,6 +43,13 @@ class AskActionServer:
                                    callback_group=ReentrantCallbackGroup())
 
     def _on_goal(self, _goal) -> GoalResponse:
+        try:
+            return self._admit()
+        except Exception as error:  # rejected, not raised into the executor
+            self.node.request_failed("ask goal", error)
+            return GoalResponse.REJECT
+
+    def _admit(self) -> GoalResponse:
         session = self.node.session
         with self.lock:
             if session is None or not (session.ready and session.active) \
@@ -52,6 +61,9 @@ class AskActionServer:
     def _execute(self, goal_handle) -> AskMemory.Result:
         try:
             return self._answer(goal_handle)
+        except Exception as error:  # aborted with the reason, not raised into the executor
+            goal_handle.abort()
+            return AskMemory.Result(message=self.node.request_failed("ask", error))
         finally:
             with self.lock:
                 self.accepted -= 1
@@ -81,9 +93,12 @@ class AskActionServer:
             result.generated_tokens = answer.generated_tokens
             result.success = not answer.cancelled
         result.latency_ms = (time.perf_counter() - start) * 1e3
-        if answer is not None and answer.cancelled:
+        if answer is not None and answer.cancelled and goal_handle.is_cancel_requested:
             result.message = "cancelled"
             goal_handle.canceled()
+        elif answer is not None and answer.cancelled:  # by the node: deactivate, shutdown
+            result.message = STOPPED
+            goal_handle.abort()
         elif result.success:
             goal_handle.succeed()
         else:

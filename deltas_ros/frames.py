@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 
 import cv2
 import numpy as np
+import simplejpeg
 
 SUPPORTED_ENCODINGS: tuple[str, ...] = ("rgb8", "bgr8", "rgba8", "bgra8", "mono8")
 
@@ -147,7 +148,9 @@ def decode_compressed(format: str, data: ImageData) -> np.ndarray:
     """sensor_msgs/CompressedImage -> (H, W, 3) uint8 RGB.
 
     The codec is read from the data itself (JPEG, PNG, ...); `format` only serves to refuse
-    compressedDepth images, whose PNG carries 16-bit depth behind a private header.
+    compressedDepth images, whose PNG carries 16-bit depth behind a private header. JPEG is
+    decoded by libjpeg-turbo in strict mode (simplejpeg): data libjpeg finds corrupt is refused,
+    where OpenCV's decoder would print "Corrupt JPEG data" and return the damaged picture.
     """
     if "compresseddepth" in format.lower():
         raise FrameError(f"format {format!r}: depth images are not supported")
@@ -159,6 +162,11 @@ def decode_compressed(format: str, data: ImageData) -> np.ndarray:
     except FrameError as error:
         raise FrameError(f"cannot decode compressed image ({format!r}): {error}") from None
     check_frame_size(height, width)
+    if bytes(buffer[:2]) == b"\xff\xd8":
+        try:
+            return simplejpeg.decode_jpeg(buffer, colorspace="RGB", strict=True)
+        except ValueError as error:
+            raise FrameError(f"corrupt JPEG ({format!r}): {error}") from None
     try:
         bgr = cv2.imdecode(buffer, cv2.IMREAD_COLOR)
     except cv2.error as error:

@@ -5,7 +5,8 @@ session; without one (the node unconfigured) they answer so.
 Questions run in a callback group that admits `QUESTION_SLOTS` at once and reset/save/load in a
 mutually exclusive one, so however many planners call, executor threads stay free for the
 camera and the timer (node.EXECUTOR_THREADS counts them); further requests wait in their
-service queue (`SERVICE_QUEUE` deep) in order of arrival.
+service queue (`SERVICE_QUEUE` deep) in order of arrival. Whatever a callback raises is
+answered as a failure (ros_adapters.replying), counted in the node's `requests_failed`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from std_srvs.srv import Trigger
 
 from .ask_action import window
 from .memory_files import MemoryPathError
-from .ros_adapters import BoundedCallbackGroup
+from .ros_adapters import BoundedCallbackGroup, replying
 from .ros_memory import fill_answer
-from .session import NOT_READY, Session
+from .session import NOT_READY, STOPPED, Session
 from .srv import AskMemory, MemoryFile
 
 SERVICE_QUEUE = 100  # requests held per service beyond those being served; more are dropped
@@ -44,7 +45,8 @@ class MemoryServices:
             (MemoryFile, "~/save_memory", self._save, memory_ops),
             (MemoryFile, "~/load_memory", self._load, memory_ops),
         ):
-            node.create_service(srv_type, name, callback, qos_profile=qos, callback_group=group)
+            node.create_service(srv_type, name, replying(name[2:], callback, node.request_failed),
+                                qos_profile=qos, callback_group=group)
 
     def _ask(self, request: AskMemory.Request, response: AskMemory.Response):
         start, session = time.perf_counter(), self.node.session
@@ -59,8 +61,9 @@ class MemoryServices:
             except (RuntimeError, TimeoutError) as error:
                 response.error = str(error)
             else:
-                response.success = True
                 fill_answer(response, answer)
+                response.success = not answer.cancelled
+                response.error = STOPPED if answer.cancelled else ""
         response.message = response.error  # `error` is the deprecated name of `message`
         response.latency_ms = (time.perf_counter() - start) * 1e3
         if not response.success:

@@ -7,8 +7,13 @@ else a lifecycle manager drives it through the standard lifecycle_msgs services)
     activate    subscribe to the camera (and pose_topic); questions and ask goals are served
     deactivate  unsubscribe; the memory and its stream are kept; questions are refused
     cleanup     stop the worker, free the model and the memory (RSS / CUDA memory logged)
-    shutdown    autosave (when autosave_chunks is set), then free as cleanup does
-Reset, save and load work whenever the node is configured; diagnostics in every state.
+    shutdown    autosave (when autosave_chunks is set), then free as cleanup does; once
+                finalized the process exits (code 0), so a launch file's respawn starts anew
+Deactivate, cleanup and shutdown stop a question being answered at its next token and refuse
+the waiting ones. Reset, save and load work whenever the node is configured; diagnostics in
+every state. Every service, action and parameter callback answers an exception of its own as a
+failure (counted in `requests_failed`, logged) instead of leaving it to the executor, which
+would end the process and the memory with it.
 
 Wiring only; the state and its rules live in session.py (no rclpy), the model in worker.py:
     camera callback -> Session.take_frame (FrameGate by header stamp) -> MemoryWorker
@@ -38,7 +43,6 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleNodeMixin, LifecycleState, TransitionCallbackReturn
 from rclpy.node import Node
-from rclpy.serialization import deserialize_message
 from sensor_msgs.msg import CompressedImage, Image
 
 from . import params
@@ -51,20 +55,26 @@ from .ros_adapters import (
     CameraSubscription,
     camera_topic,
     declare_parameters,
+    deserialize_frame,
     diagnostics_message,
     drift_message,
     log_frame_outcome,
 )
 from .ros_memory import MemoryImageTopic, PoseInput, pose_stamped
-from .session import NOT_CONFIGURED, NOT_READY, Level, Session, loading_health
+from .session import NOT_ACTIVE, NOT_CONFIGURED, NOT_READY, Level, Session, loading_health
 
-__all__ = ["EXECUTOR_THREADS", "NOT_READY", "QUESTION_SLOTS", "SHUTDOWN_S", "MemoryNode"]
+__all__ = ["EXECUTOR_THREADS", "FINALIZED", "NOT_READY", "QUESTION_SLOTS", "SHUTDOWN_S",
+           "MemoryNode"]
 
 FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
 # Camera, diagnostics, lifecycle, memory services, parameter services, the question slots, the
 # action's goals, and a spare.
 EXECUTOR_THREADS = QUESTION_SLOTS + ACTION_SLOTS + 6
 SHUTDOWN_S = 3.0  # on SIGINT/SIGTERM, how long the model may finish its current item
+# After the shutdown transition the process leaves this much later: the transition's reply to
+# the lifecycle manager goes out first.
+EXIT_DELAY_S = 0.5
+FINALIZED = "finalized: the node was shut down (lifecycle) and is exiting"
 SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
 
 
@@ -79,6 +89,11 @@ class MemoryNode(LifecycleNodeMixin, Node):
         self.poses: PoseInput | None = None  # while active, with pose_topic
         self.stopping, self.configuring = threading.Event(), threading.Event()
         self.failure = ""  # why the last transition failed (autostart: exit code 1)
+        self.finalized = False
+        self.requests_failed, self._failures_lock = 0, threading.Lock()
+        # Workers that did not end within SHUTDOWN_S of a cleanup: leaving the interpreter
+        # while one runs inside torch aborts, so `main` checks them (threads_ended).
+        self.lingering: list = []
         Node.__init__(self, "deltas_memory", **kwargs)
         LifecycleNodeMixin.__init__(self, callback_group=MutuallyExclusiveCallbackGroup())
         self.values = params.resolved(declare_parameters(self))
@@ -171,12 +186,23 @@ class MemoryNode(LifecycleNodeMixin, Node):
         return SUCCESS
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop_intake()  # questions stop at their next token: the worker can end
         self._free("cleanup")
         return SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Autosave and free; then leave the process (nothing can configure a finalized node)."""
         self._shut_down()
+        self.finalized = True
+        self._exit_timer = self.create_timer(
+            EXIT_DELAY_S, self._exit, callback_group=MutuallyExclusiveCallbackGroup(),
+            clock=Clock(clock_type=ClockType.STEADY_TIME))
         return SUCCESS
+
+    def _exit(self) -> None:
+        self._exit_timer.cancel()
+        self.get_logger().info("finalized: exiting")
+        rclpy.try_shutdown(context=self.context)
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
         """A transition raised: drop everything and go back to unconfigured."""
@@ -187,8 +213,13 @@ class MemoryNode(LifecycleNodeMixin, Node):
         return SUCCESS
 
     def _stop_intake(self) -> None:
-        if self.session is not None:
-            self.session.active = False
+        """Unsubscribe and stop serving questions: the one being answered stops at its next
+        token (the answer so far, marked cancelled), the waiting ones are refused."""
+        session = self.session
+        if session is not None:
+            session.active = False
+            if session.worker is not None:
+                session.worker.cancel_questions(NOT_ACTIVE)
         for entity in (self.camera, self.poses):
             if entity is not None:
                 entity.close()
@@ -202,23 +233,43 @@ class MemoryNode(LifecycleNodeMixin, Node):
         return rclpy.logging.get_logger(f"{self.get_logger().name}.shutdown")
 
     def no_session(self) -> str:
-        """Why a request finds no session: autostart has not got to it yet (the model is about
-        to load), or the node is unconfigured."""
+        """Why a request finds no session: the node is finalized (exiting), autostart has not
+        got to it yet (the model is about to load), or the node is unconfigured."""
+        if self.finalized:
+            return FINALIZED
         return NOT_READY if self.autostarting.is_set() else NOT_CONFIGURED
+
+    def request_failed(self, name: str, error: Exception) -> str:
+        """A callback of `name` raised `error`: counted, logged; the reply's message."""
+        with self._failures_lock:
+            self.requests_failed += 1
+        message = f"{name} failed inside the node: {type(error).__name__}: {error}"
+        self.get_logger().error(message)
+        return message
 
     def _failed(self, reason: str) -> TransitionCallbackReturn:
         self.failure = reason
         self.get_logger().fatal(reason)
         return FAILURE
 
-    def _free(self, why: str) -> bool:
-        """Stop the worker and free the model and the memory; whether the worker ended."""
+    def _free(self, why: str) -> None:
+        """Stop the worker and free the model and the memory; a worker still busy after
+        SHUTDOWN_S is kept in `lingering`."""
         session, self.session = self.session, None
         if session is None:
-            return True
+            return
+        worker = session.worker
         ended, freed = session.close(SHUTDOWN_S)
+        if not ended and worker is not None:
+            self.lingering.append(worker)
+            self._log().warning(f"{why}: the model is still inside its current item after "
+                                f"{SHUTDOWN_S:.0f} s; it is left to finish")
         self._log().info(f"{why}: the model and the memory are freed ({freed})")
-        return ended
+
+    def threads_ended(self) -> bool:
+        """Whether no thread of ours runs model code: the loader, a configure, a worker."""
+        return not (self.configuring.is_set() or self.loader.is_alive()
+                    or any(worker.alive for worker in self.lingering))
 
     def _shut_down(self) -> bool:
         """The shutdown transition's work, also on SIGINT/SIGTERM: the autosave when it is set
@@ -232,14 +283,18 @@ class MemoryNode(LifecycleNodeMixin, Node):
                 self._log().info(f"autosaved to {session.files.default}")
             except (RuntimeError, TimeoutError, ValueError, OSError) as error:
                 self._log().error(f"autosave at shutdown failed: {error}")
-        ended = self._free("shutdown")
-        return ended and not self.configuring.is_set() and not self.loader.is_alive()
+        self._free("shutdown")
+        return self.threads_ended()
 
     # ----------------------------------------------------------------------------- wiring
     def _on_set_parameters(self, changes) -> SetParametersResult:
-        proposed = dict(self.values) | {c.name: c.value for c in changes}
-        if problem := params.validate(proposed):
-            return SetParametersResult(successful=False, reason=problem)
+        try:
+            proposed = dict(self.values) | {c.name: c.value for c in changes}
+            if problem := params.validate(proposed):
+                return SetParametersResult(successful=False, reason=problem)
+        except Exception as error:  # refused, not raised into the parameter service
+            return SetParametersResult(successful=False,
+                                       reason=self.request_failed("set_parameters", error))
         self.values = proposed
         if self.session is not None:
             self.session.values = proposed
@@ -249,11 +304,10 @@ class MemoryNode(LifecycleNodeMixin, Node):
         """Every camera frame, serialized: its stamp is read from the bytes and only a sampled
         frame is deserialized and decoded. Nothing in a frame may stop the executor: anything
         unexpected is logged and counted."""
-        session = self.session
+        session, msg_type = self.session, self.camera.msg_type
         try:
             outcome, dropped = session.take_frame(
-                raw_stamp(raw),
-                lambda: decode_message(deserialize_message(raw, self.camera.msg_type)),
+                raw_stamp(raw), lambda: decode_message(deserialize_frame(raw, msg_type)),
                 raw_header(raw)[2])
         except Exception as error:  # a defect must not take the node down with it
             session.note_callback_error()
@@ -277,12 +331,20 @@ class MemoryNode(LifecycleNodeMixin, Node):
         self.memory_image.chunk_done(result, chunk.frames[-1], held, msg.header.frame_id)
 
     def _on_timer(self) -> None:
+        """The 1 Hz report (and the camera's QoS following); a failure is logged, never raised
+        into the executor."""
+        try:
+            self._report()
+        except Exception as error:
+            self.request_failed("diagnostics", error)
+
+    def _report(self) -> None:
         session = self.session
         if session is None and self.autostarting.is_set():
             (level, message, values), lifecycle = loading_health(self.values), "configuring"
         elif session is None:
-            level, message, values = Level.WARN, "unconfigured (lifecycle)", {}
-            lifecycle = "unconfigured"
+            lifecycle = "finalized" if self.finalized else "unconfigured"
+            level, message, values = Level.WARN, f"{lifecycle} (lifecycle)", {}
         else:
             level, message, values = session.health()
             lifecycle = "configuring" if not session.ready \
@@ -294,7 +356,8 @@ class MemoryNode(LifecycleNodeMixin, Node):
             else self.camera.subscription.get_publisher_count()
         self.diag_pub.publish(diagnostics_message(
             self.get_clock().now().to_msg(), f"{self.get_name()}: video memory", level, message,
-            device, {"lifecycle": lifecycle, "camera_publishers": camera_publishers, **values}))
+            device, {"lifecycle": lifecycle, "camera_publishers": camera_publishers,
+                     "requests_failed": self.requests_failed, **values}))
         if self.camera is not None:
             self.camera.follow(self.values["silence_warn_s"],
                                max(session.last_frame_wall, session.started_wall))

@@ -17,6 +17,8 @@ from .policy import POLICY_NAMES
 DEVICES = ("auto", "cpu", "cuda")
 MIN_PIXEL_BUDGET = 32 * 32
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KINDS = {bool: "true or false", int: "an integer", float: "a decimal number (2.0, not 2)",
+         str: "a string"}
 
 
 @dataclass(frozen=True)
@@ -123,19 +125,28 @@ def defaults() -> dict[str, Any]:
     return {p.name: p.default for p in PARAMS}
 
 
+def expectation(param: Param) -> str:
+    """What a value of `param` must be, as the start of a reason: "must be an integer within
+    [1, 1e+07]"."""
+    what = f"must be {KINDS[type(param.default)]}"
+    if param.low is not None:
+        what += f" within [{param.low:g}, {param.high:g}]"
+    if param.choices:
+        what += f", one of {', '.join(param.choices)}"
+    return what
+
+
 def validate(values: dict[str, Any]) -> str | None:
-    """None if the values are usable together, else the reason they are not."""
+    """None if the values are usable together, else the reason they are not
+    ("<parameter>: <reason>" for a value that is wrong on its own)."""
     for name, value in values.items():
         param = BY_NAME.get(name)
         if param is None:
             continue
-        if type(value) is not type(param.default):
-            kind = type(param.default).__name__
-            return f"{name} must be a {kind}, got {value!r}"
-        if param.low is not None and not param.low <= value <= param.high:
-            return f"{name} must be within [{param.low}, {param.high}], got {value}"
-        if param.choices and value not in param.choices:
-            return f"{name} must be one of {', '.join(param.choices)}, got {value!r}"
+        if type(value) is not type(param.default) \
+                or param.low is not None and not param.low <= value <= param.high \
+                or param.choices and value not in param.choices:
+            return f"{name}: {expectation(param)}, got {value!r}"
     merged = defaults() | values
     if 0 < merged["pixel_budget"] < MIN_PIXEL_BUDGET:
         return f"pixel_budget must be 0 (the model's) or at least {MIN_PIXEL_BUDGET}, got " \

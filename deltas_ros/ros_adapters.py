@@ -1,9 +1,11 @@
 """The node's ROS plumbing that is not wiring: message builders, parameter declaration, a
-callback group that bounds how many service callbacks run at once, and the camera subscription
-whose QoS follows the camera, on an executor of its own."""
+callback group that bounds how many service callbacks run at once, a guard that turns any
+exception of a service callback into a failed reply, and the camera subscription whose QoS
+follows the camera, on an executor of its own."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +15,7 @@ from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.callback_groups import CallbackGroup
+from rclpy.exceptions import InvalidParameterTypeException, ParameterException
 
 try:
     from rclpy.event_handler import SubscriptionEventCallbacks
@@ -27,10 +30,11 @@ from rclpy.qos import (
     QoSProfile,
     ReliabilityPolicy,
 )
+from rclpy.serialization import deserialize_message
 from std_msgs.msg import Header
 
 from . import params
-from .frames import GateOutcome, SampledChunk, TimeEvent
+from .frames import FrameError, GateOutcome, SampledChunk, TimeEvent
 from .memory import ChunkResult
 from .msg import DriftScore
 
@@ -69,8 +73,41 @@ class BoundedCallbackGroup(CallbackGroup):
             self.running -= 1
 
 
+def deserialize_frame(raw: bytes, msg_type: type) -> Any:
+    """A camera message from its CDR bytes; FrameError saying so for bytes that are not one
+    (rclpy's own error reads "failed to deserialize ROS message: error not set")."""
+    try:
+        return deserialize_message(raw, msg_type)
+    except Exception as error:  # rclpy raises RMWError / RuntimeError kinds
+        raise FrameError(f"malformed {msg_type.__name__} message ({len(raw)} bytes): it cannot "
+                         f"be deserialized ({type(error).__name__})") from None
+
+
+def replying(name: str, callback: Callable[[Any, Any], Any],
+             failed: Callable[[str, Exception], str]) -> Callable[[Any, Any], Any]:
+    """Service callback(request, response) whose exceptions become a failed reply: success
+    false, `message` (and `error` where the type has it) what failed(name, error) says (it
+    counts and logs). An exception left to the executor would end the node and its memory."""
+
+    @functools.wraps(callback)
+    def guarded(request: Any, response: Any) -> Any:
+        try:
+            return callback(request, response)
+        except Exception as error:  # anything: the node must answer and go on
+            response.success = False
+            response.message = failed(name, error)
+            if hasattr(response, "error"):
+                response.error = response.message
+            return response
+
+    return guarded
+
+
 def declare_parameters(node: Node) -> dict[str, Any]:
-    """Declare params.PARAMS on `node` with descriptions and ranges; their values."""
+    """Declare params.PARAMS on `node` with descriptions and ranges; their values.
+
+    ValueError "<parameter>: <reason>" for an override rclpy refuses (a value out of range, of
+    another type), instead of rclpy's exception, so the node can say it in one line."""
     for param in params.PARAMS:
         descriptor = ParameterDescriptor(description=param.description,
                                          read_only=param.read_only)
@@ -83,7 +120,13 @@ def declare_parameters(node: Node) -> dict[str, Any]:
                 IntegerRange(from_value=int(param.low), to_value=int(param.high))]
         if param.choices:
             descriptor.additional_constraints = "one of: " + ", ".join(param.choices)
-        node.declare_parameter(param.name, param.default, descriptor)
+        try:
+            node.declare_parameter(param.name, param.default, descriptor)
+        except ParameterException as error:
+            raise ValueError(f"{param.name}: {params.expectation(param)}"
+                             + (" (given another type)"
+                                if isinstance(error, InvalidParameterTypeException) else "")
+                             ) from None
     return {p.name: node.get_parameter(p.name).value for p in params.PARAMS}
 
 

@@ -47,6 +47,8 @@ FRAME_ID_MAX = 256  # characters of a camera frame_id copied into reports
 NOT_READY = "not ready: the model is still loading"
 NOT_CONFIGURED = "not configured: the node is unconfigured (lifecycle); configure it first"
 NOT_ACTIVE = "not active: the node is inactive (lifecycle); activate it to ask"
+# An answer cut short because the node left active (deactivate, cleanup, shutdown).
+STOPPED = "cancelled: the node stopped taking questions (lifecycle); the answer so far"
 MAX_STREAM_INDEX = 2**31 - 1
 JUMP_RESET = "jump_reset"  # the worker operation a time jump back queues (save, then reset)
 

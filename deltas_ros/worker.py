@@ -59,6 +59,7 @@ class _Request:
     error: str = ""
     started: bool = False
     waited: bool = True  # False: posted, nobody waits for the result
+    interrupted: bool = False  # a question told to stop at its next token (stop, cancel)
 
 
 class MemoryWorker:
@@ -176,14 +177,37 @@ class MemoryWorker:
         with self._lock:
             return len(self._questions)
 
+    def cancel_questions(self, why: str) -> int:
+        """Refuse the questions waiting (their callers hear `why`) and stop the one being
+        answered at its next token (its caller gets the answer so far, marked cancelled);
+        how many questions were affected. Other calls keep their places."""
+        with self._lock:
+            waiting = [r for r in self._questions if r.kind == "ask"]
+            self._questions = deque(r for r in self._questions if r.kind != "ask")
+            current = self._current
+            if isinstance(current, _Request) and current.kind == "ask":
+                current.interrupted = True
+                waiting.append(current)
+        for request in waiting[:-1] if current in waiting else waiting:
+            request.error = why
+            request.done.set()
+        return len(waiting)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread still runs (after stop: an item it could not leave)."""
+        return self._thread.is_alive()
+
     def stop(self, timeout_s: float = 10.0) -> bool:
-        """Fail waiting requests and the one in progress (its caller returns at once), let the
-        item in progress finish, and join the thread; whether it ended within timeout_s."""
+        """Fail waiting requests and the one in progress (its caller returns at once; a
+        question stops at its next token), let the item in progress finish, and join the
+        thread; whether it ended within timeout_s."""
         with self._lock:
             self._stopping = True
             current = self._current
             self._lock.notify_all()
         if isinstance(current, _Request):
+            current.interrupted = True
             current.error = "the memory is shutting down"
             current.done.set()
         self._thread.join(timeout_s)
@@ -272,8 +296,10 @@ class MemoryWorker:
     def _serve(self, request: _Request) -> None:
         try:
             if request.kind == "ask":
-                request.answer = self.memory.ask(request.question, request.max_new_tokens,
-                                                 **request.options)
+                asked = request.options.get("cancelled") or (lambda: False)
+                request.answer = self.memory.ask(
+                    request.question, request.max_new_tokens, **request.options
+                    | {"cancelled": lambda: request.interrupted or asked()})
                 self.counters.questions_answered += 1
             elif request.function is None:  # reset()
                 self.memory.reset()

@@ -102,3 +102,22 @@ def wait_until(predicate, timeout_s: float = 60.0) -> bool:
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
     return bool(predicate())
+
+
+def corrupted_jpeg(jpeg: bytes) -> bytes:
+    """`jpeg` with one byte of its coded data flipped where libjpeg reports the data corrupt
+    ("Corrupt JPEG data: N extraneous bytes") and OpenCV still returns a picture: the frame a
+    damaged link delivers and the node once took without a count."""
+    import cv2
+    import simplejpeg
+
+    for position in range(len(jpeg) // 2, len(jpeg) - 2):
+        damaged = bytearray(jpeg)
+        damaged[position] ^= 0x55
+        try:
+            simplejpeg.decode_jpeg(bytes(damaged), strict=True)
+        except ValueError as error:
+            if "Corrupt JPEG data" in str(error) and cv2.imdecode(
+                    np.frombuffer(bytes(damaged), np.uint8), cv2.IMREAD_COLOR) is not None:
+                return bytes(damaged)
+    raise AssertionError("no byte of this JPEG makes libjpeg report corrupt data")

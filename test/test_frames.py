@@ -10,6 +10,7 @@ import time
 import cv2
 import numpy as np
 import pytest
+from engine_helpers import corrupted_jpeg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -812,3 +813,16 @@ def test_jpeg_header_fuzz_only_raises_frame_error(cut, flips):
     except FrameError:
         return
     assert frame.ndim == 3 and frame.shape[2] == 3
+
+
+def test_a_jpeg_libjpeg_reports_corrupt_is_refused():
+    """A damaged byte that OpenCV's decoder only prints a warning about ("Corrupt JPEG data")."""
+    ok, encoded = cv2.imencode(".jpg", cv2.GaussianBlur(
+        np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8), (9, 9), 3))
+    damaged = corrupted_jpeg(encoded.tobytes())
+    assert cv2.imdecode(np.frombuffer(damaged, np.uint8), cv2.IMREAD_COLOR) is not None
+    with pytest.raises(FrameError, match="corrupt JPEG.*Corrupt JPEG data"):
+        decode_compressed("jpeg", damaged)
+    good = decode_compressed("jpeg", encoded.tobytes())  # the same pixels OpenCV gives
+    assert np.array_equal(good, cv2.cvtColor(cv2.imdecode(encoded, cv2.IMREAD_COLOR),
+                                             cv2.COLOR_BGR2RGB))

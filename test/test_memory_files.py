@@ -12,6 +12,7 @@ import pytest
 
 from deltas_ros.memory_files import (
     METADATA_KEY,
+    RESET_FILES,
     MemoryFiles,
     MemoryPathError,
     default_memory_dir,
@@ -131,3 +132,23 @@ def test_a_key_file_others_can_read_is_refused(tmp_path):
         read_key(str(tmp_path))
     with pytest.raises(MemoryPathError):
         read_key(str(tmp_path / "absent"))
+
+
+def test_a_name_the_system_refuses_to_look_up_is_a_refusal(files):
+    """A 256-character name: Path.exists() raises ENAMETOOLONG, which once ended the node."""
+    with pytest.raises(MemoryPathError, match="File name too long"):
+        files.resolve("a" * 256)
+    with pytest.raises(MemoryPathError):
+        files.resolve("x" * 5000 + "/y")
+
+
+def test_saves_before_a_reset_rotate_over_a_bounded_set(files):
+    used = []
+    for k in range(RESET_FILES + 2):
+        path = files.before_reset()
+        path.write_bytes(b"memory")
+        os.utime(path, ns=(k * 10**9, k * 10**9))
+        used.append(path.name)
+    names = [f"before-reset-{k}.safetensors" for k in range(RESET_FILES)]
+    assert used == names + names[:2]  # free ones first, then the oldest replaced
+    assert sorted(p.name for p in files.root.iterdir() if p.name.startswith("before")) == names

@@ -18,8 +18,10 @@ import cv2
 import pytest
 from deltas_ros.srv import MemoryFile
 from diagnostic_msgs.msg import DiagnosticStatus
+from engine_helpers import corrupted_jpeg
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
+from rclpy.serialization import serialize_message
 from ros_helpers import (
     BASE_STAMP,
     Tester,
@@ -177,6 +179,28 @@ def test_bad_frames_are_counted_and_the_node_keeps_running(raw_node):
     tester.wait_for(ok_after_bad_frames, timeout=15)
 
 
+def test_a_malformed_message_is_counted_and_reported_as_what_it_is(raw_node):
+    """CDR bytes cut short after the header: the stamp reads, the message does not."""
+    tester, process = raw_node
+    tester.reset()
+    _, before = tester.last_status()
+
+    def truncated(i: int, stamp: float) -> Image | bytes:
+        msg = raw_frame(i, stamp)
+        return serialize_message(msg)[:200] if i == 15 else msg  # 0.5 s: a sampling slot
+
+    tester.stream(2.0, make=truncated)
+    tester.wait_for(lambda: len(tester.drift) >= 2)
+    status = tester.wait_for_status(
+        lambda s: int(status_values(s)["frames_bad"]) > int(before["frames_bad"]))
+    values = status_values(status)
+    assert values["callback_errors"] == before["callback_errors"]
+    with tester.lock:
+        messages = [m.status[0].message for m in tester.diagnostics]
+    assert any("malformed Image message (200 bytes)" in m for m in messages), messages[-5:]
+    assert process.poll() is None
+
+
 def test_diagnostics_report_health_and_silence(raw_node):
     tester, _ = raw_node
     tester.reset()
@@ -195,16 +219,23 @@ def test_diagnostics_report_health_and_silence(raw_node):
                            and s.message.startswith("no camera frames"))
 
 
-def test_stamps_jumping_back_reset_the_memory(raw_node):
+def test_stamps_jumping_back_reset_the_memory_after_saving_it(raw_node, ros_domain):
     tester, _ = raw_node
     tester.reset()
+    _, before = tester.last_status()
     tester.stream(3.0, start=BASE_STAMP + 100)
     tester.wait_for(lambda: len(tester.drift) >= 3)
     tester.stream(2.0, start=BASE_STAMP)  # the bag looped
     tester.wait_for(lambda: len(tester.drift) >= 5)
-    tester.wait_for_status(lambda s: int(status_values(s)["time_jumps_back"]) >= 1)
+    status = tester.wait_for_status(
+        lambda s: int(status_values(s)["time_jumps_back"]) > int(before["time_jumps_back"]))
     assert indices(tester.drift) == [0, 1, 2, 0, 1]
     assert tester.drift[3].stream_time < 0.5
+    # What the reset forgot is in memory_dir, loadable.
+    assert int(status_values(status)["reset_saves"]) == int(before["reset_saves"]) + 1
+    memory_dir = Path(ros_domain["ROS_HOME"]) / "deltas_ros"
+    saved = max(memory_dir.glob("before-reset-*.safetensors"), key=lambda p: p.stat().st_mtime)
+    assert read_metadata(saved)["stream"]["chunks_seen"] == 3
 
 
 def test_ask_command_line_prints_the_answer(raw_node, ros_domain):
@@ -364,18 +395,21 @@ def test_save_after_reset_and_load_while_streaming_keep_the_stream(raw_node, ros
 
     # The live camera is on a clock behind the file's (its stamps before the file's last one):
     # its next frame after the load must not count as a jump back and wipe what was loaded.
+    # It has made more chunks than the file holds: their indices are never given twice.
     loaded = []
-    tester.stream(1.0, start=BASE_STAMP - 100.0)
-    tester.wait_for(lambda: len(tester.drift) >= 1, timeout=120)
-    tester.stream(3.0, start=BASE_STAMP - 99.0, on_frame=lambda i: i == 15 and loaded.append(
+    tester.stream(5.0, start=BASE_STAMP - 100.0)
+    tester.wait_for(lambda: len(tester.drift) >= 5, timeout=120)
+    tester.stream(3.0, start=BASE_STAMP - 95.0, on_frame=lambda i: i == 15 and loaded.append(
         tester.call(load, MemoryFile.Request(path="three.safetensors"), timeout=120)))
     assert loaded[0].success and loaded[0].chunks == 3, loaded[0].message
     assert loaded[0].message.startswith("loaded 3 chunks ("), loaded[0].message
     final = tester.call(save, MemoryFile.Request(path="after.safetensors"), timeout=120)
     assert final.success and final.chunks >= 4, final.message  # the loaded 3, and more
     with tester.lock:
-        after_load = [m for m in tester.drift if m.chunk_index >= 3]
+        after_load = [m for m in tester.drift if m.chunk_index >= 5]
+        published = indices(tester.drift)
     assert after_load and all(m.stream_time > 2.5 for m in after_load)
+    assert len(published) == len(set(published)) > 5, published
     assert int(fresh_status(tester)["time_jumps_back"]) == jumps
 
 
@@ -395,6 +429,8 @@ def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, own_domain):
     def jpeg(i: int, stamp: float) -> CompressedImage:
         ok, encoded = cv2.imencode(".jpg", scene(i))
         data = encoded.tobytes() if i >= 30 else b"\xff\xd8 not really a jpeg"
+        if i == 45:  # a sampled frame (1.5 s) that libjpeg reports corrupt
+            data = corrupted_jpeg(data)
         msg = CompressedImage(format="jpeg", data=data)
         msg.header.stamp = stamp_msg(stamp)
         return msg
@@ -406,8 +442,11 @@ def test_compressed_input_corrupt_jpeg_and_sim_time(tiny_model_dir, own_domain):
         tester.wait_for(lambda: len(tester.drift) >= 2, timeout=120)
         tester.wait_for(lambda: tester.diagnostics
                         and tester.diagnostics[-1].header.stamp.sec == int(BASE_STAMP) + 3)
+        tester.wait_for_frames()
         _, values = tester.last_status()
-        assert int(values["frames_bad"]) >= 1
+        # The 30 frames before the first good one were each tried (no stream yet), and the
+        # damaged one at 1.5 s.
+        assert int(values["frames_bad"]) == 31
         assert process.poll() is None
     finally:
         tester.close()

@@ -23,7 +23,7 @@ ROSDEP = {"numpy": "python3-numpy", "opencv-python-headless": "python3-opencv",
           "torch": "python3-torch", "torchvision": "python3-torchvision",
           "transformers": "python3-transformers-pip", "safetensors": None, "tokenizers": None,
           "rosbags": "python3-rosbags-pip", "matplotlib": "python3-matplotlib",
-          "tqdm": "python3-tqdm"}
+          "tqdm": "python3-tqdm", "simplejpeg": None}
 
 
 def manifest(tag: str) -> set[str]:

@@ -1,6 +1,7 @@
 """Saving and loading a memory: bit-identical continuation, the file format, refusals."""
 
 import json
+import math
 import pickle
 import shutil
 import stat
@@ -328,3 +329,16 @@ def test_chunk_poses_are_saved_and_a_version_2_file_still_loads(tiny_model, tmp_
     assert load_memory(restored, old)["format_version"] == 2
     assert restored.slots.poses == {}
     assert restored.slots.stamps == memory.slots.stamps
+
+
+def test_a_pose_that_cannot_be_stored_is_saved_as_unknown(tiny_model, tmp_path):
+    """One chunk's metadata never fails a whole save: the file keeps the pose as unknown."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
+    memory.add_chunk(frames_for(0), [0, 0.5], stamp=1000.0,
+                     pose=Pose("odom", (-math.inf, 0.0, 0.0)))
+    memory.add_chunk(frames_for(1), [1, 1.5], stamp=1001.0,
+                     pose=Pose.checked("odom", (1, 2, 3), (0, 0, 0, 1)))
+    path = save_memory(memory, tmp_path / "memory.safetensors")
+    restored = StreamingMemory(tiny_model, MemoryConfig(**PERSIST_CONFIG))
+    load_memory(restored, path)
+    assert restored.slots.poses == {0: None, 1: memory.slots.poses[1]}

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from deltas_ros.poses import Pose, PoseBuffer, interpolate, slerp
+from deltas_ros.poses import MAX_POSITION_M, Pose, PoseBuffer, interpolate, slerp
 
 
 def yaw_pose(x: float, yaw: float, frame: str = "map") -> Pose:
@@ -80,3 +80,17 @@ def test_json_round_trip_and_refusals():
                 ["odom", 1, 2, 3, 0, 0, 1], [1, 1, 2, 3, 0, 0, 0, 1]):
         with pytest.raises(ValueError):
             Pose.from_json(bad)
+
+
+def test_absurd_positions_are_refused_and_interpolation_cannot_overflow():
+    with pytest.raises(ValueError, match="from its frame's origin"):
+        Pose.checked("odom", (1e308, 0, 0), (0, 0, 0, 1))
+    far = MAX_POSITION_M
+    a, b = Pose.checked("utm", (far, -far, 0), (0, 0, 0, 1)), \
+        Pose.checked("utm", (-far, far, 0), (0, 0, 0, 1))
+    assert Pose.checked("utm", (6.4e6, 5e6, 0), (0, 0, 0, 1))  # ECEF / UTM coordinates pass
+    huge = Pose("odom", (1.7e308, -1.7e308, 0.0))  # not checked: interpolation must hold anyway
+    for t in (0.0, 0.3, 1.0):
+        assert all(map(math.isfinite, interpolate(a, b, t).position))
+        assert all(map(math.isfinite, interpolate(huge, Pose("odom", (-1.7e308, 1.7e308, 0.0)),
+                                                  t).position))

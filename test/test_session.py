@@ -384,3 +384,60 @@ def test_configure_refuses_with_a_reason_and_open_close_loads_and_frees(tiny_mod
     ended, freed = session.close(5.0)
     assert ended and not session.ready and session.memory is None and session.worker is None
     assert "rss" in freed
+
+
+def push_slowly(run: Running, start: float, seconds: float, pause_s: float) -> None:
+    """As Running.push, with `pause_s` of wall time between frames (arrival time)."""
+    for k in range(int(seconds * 2)):
+        stamp = start + k / 2
+        run.session.take_frame(stamp, lambda s=stamp: frame(s), "camera")
+        time.sleep(pause_s)
+
+
+def test_a_jump_back_saves_the_memory_before_resetting_it(running, tiny_model):
+    run = running(timeline_confirm_s=0.1)
+    run.push(BASE + 100, 3.0)
+    run.settle(3)
+    push_slowly(run, BASE, 2.0, pause_s=0.06)  # a bag looped: its frames keep coming
+    run.settle(5)
+    assert [r[0] for r in run.reports] == [0, 1, 2, 0, 1]
+    _, _, values = run.session.health()
+    assert values["resets"] == 1 and values["reset_saves"] == 1 and values["saves_failed"] == 0
+    saved = run.session.files.root / "before-reset-0.safetensors"
+    restored = StreamingMemory(tiny_model, params.memory_config(VALUES))
+    load_memory(restored, saved)
+    assert restored.chunks_seen == 3  # what the reset forgot, loadable
+
+
+def test_a_failed_save_before_a_reset_still_resets_and_counts_as_a_failed_save(running,
+                                                                             monkeypatch):
+    run = running(timeline_confirm_s=0.1)
+    run.push(BASE + 100, 2.0)
+    run.settle(2)
+
+    def refused(*args, **kwargs):
+        raise ValueError("Out of range float values are not JSON compliant")
+
+    monkeypatch.setattr(session_module, "save_memory", refused)
+    push_slowly(run, BASE, 2.0, pause_s=0.06)
+    run.settle(4)
+    level, message, values = run.session.health()
+    assert [r[0] for r in run.reports] == [0, 1, 0, 1] and values["resets"] == 1
+    assert values["saves_failed"] == 1 and values["requests_refused"] == 0
+    assert level is Level.ERROR and "before a time-jump reset failed" in message
+
+
+def test_a_save_that_fails_to_write_is_a_failed_save_not_a_refusal(running, monkeypatch):
+    """A memory the JSON encoder refuses once counted as the caller's mistake."""
+    run = running()
+    run.push(BASE, 1.0)
+    run.settle(1)
+
+    def refused(*args, **kwargs):
+        raise ValueError("Out of range float values are not JSON compliant")
+
+    monkeypatch.setattr(session_module, "save_memory", refused)
+    with pytest.raises(RuntimeError, match="cannot write the memory"):
+        run.worker.call(lambda m: run.session.save(m, run.session.files.default), 60, "save")
+    _, _, values = run.session.health()
+    assert values["saves_failed"] == 1 and values["requests_refused"] == 0

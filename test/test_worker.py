@@ -34,7 +34,8 @@ class FakeMemory:
         self.log.append(("chunk", index))
         return index
 
-    def ask(self, question, max_new_tokens=None, **options):
+    def ask(self, question, max_new_tokens=None, cancelled=None, **options):
+        """(The worker always passes `cancelled`: its own stop joined with the caller's.)"""
         if not question:
             raise ValueError("the question is empty")
         self.log.append(("ask", question, options) if options else ("ask", question))
@@ -318,3 +319,49 @@ def test_chunks_get_the_pose_at_their_stamp_and_questions_their_options():
     worker.stop()
     assert memory.poses == [(3.5, "pose at 3.5")]
     assert ("ask", "where?", {"since": 1.0, "until": None}) in memory.log
+
+
+class GeneratingMemory(FakeMemory):
+    """A question that decodes until `cancelled()` says stop (one token every 10 ms)."""
+
+    def ask(self, question, max_new_tokens=None, cancelled=None, **options):
+        self.busy.set()
+        for tokens in range(3000):
+            if cancelled():
+                return f"cancelled after {tokens}"
+            time.sleep(0.01)
+        return "all 3000 tokens"
+
+
+def test_cancelling_questions_stops_the_one_in_progress_and_refuses_the_waiting():
+    memory = GeneratingMemory()
+    worker, _ = make_worker(memory)
+    answers, errors = [], []
+
+    def ask(question: str) -> None:
+        try:
+            answers.append(worker.ask(question, None, 60))
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    askers = [threading.Thread(target=ask, args=(q,)) for q in ("first", "second")]
+    askers[0].start()
+    assert memory.busy.wait(5)
+    askers[1].start()
+    assert wait_until(lambda: worker.questions_waiting == 1)
+    assert worker.cancel_questions("not active") == 2
+    for asker in askers:
+        asker.join(5)
+    assert answers[0].startswith("cancelled after") and errors == ["not active"]
+    worker.stop()
+
+
+def test_stop_ends_a_question_at_its_next_token():
+    """A 4096-token answer at shutdown: the worker thread must end, not stay inside the model
+    (leaving the interpreter then aborted the process)."""
+    memory = GeneratingMemory()
+    worker, _ = make_worker(memory)
+    threading.Thread(target=lambda: pytest.raises(RuntimeError, worker.ask, "long", None, 60),
+                     daemon=True).start()
+    assert memory.busy.wait(5)
+    assert worker.stop(timeout_s=3.0) and not worker.alive
