@@ -94,6 +94,12 @@ class MemoryNode(LifecycleNodeMixin, Node):
         # Workers that did not end within SHUTDOWN_S of a cleanup: leaving the interpreter
         # while one runs inside torch aborts, so `main` checks them (threads_ended).
         self.lingering: list = []
+        # Before Node.__init__: a refused parameter destroys the half-made node, which stops it.
+        self.loader = threading.Thread(target=self._autostart, name="deltas_memory_autostart",
+                                       daemon=True)
+        # Set until autostart's configure has a session or gave up: the services exist from
+        # then on, and a request in that instant must hear "not ready", not "configure it".
+        self.autostarting = threading.Event()
         Node.__init__(self, "deltas_memory", **kwargs)
         LifecycleNodeMixin.__init__(self, callback_group=MutuallyExclusiveCallbackGroup())
         self.values = params.resolved(declare_parameters(self))
@@ -106,11 +112,6 @@ class MemoryNode(LifecycleNodeMixin, Node):
         # Steady time: health must be reported even when a replayed /clock stops.
         self.create_timer(1.0, self._on_timer, callback_group=MutuallyExclusiveCallbackGroup(),
                           clock=Clock(clock_type=ClockType.STEADY_TIME))
-        self.loader = threading.Thread(target=self._autostart, name="deltas_memory_autostart",
-                                       daemon=True)
-        # Set until autostart's configure has a session or gave up: the services exist from
-        # here on, and a request in that instant must hear "not ready", not "configure it".
-        self.autostarting = threading.Event()
         if self.values["autostart"]:
             self.autostarting.set()
             self.loader.start()

@@ -125,15 +125,15 @@ def defaults() -> dict[str, Any]:
     return {p.name: p.default for p in PARAMS}
 
 
-def expectation(param: Param) -> str:
+def expectation(param: Param, of_type: bool = True) -> str:
     """What a value of `param` must be, as the start of a reason: "must be an integer within
-    [1, 1e+07]"."""
-    what = f"must be {KINDS[type(param.default)]}"
+    [1, 1e+07]"; of_type=False leaves the type out (the value has the right one)."""
+    parts = [KINDS[type(param.default)]] if of_type else []
     if param.low is not None:
-        what += f" within [{param.low:g}, {param.high:g}]"
+        parts.append(f"within [{param.low:g}, {param.high:g}]")
     if param.choices:
-        what += f", one of {', '.join(param.choices)}"
-    return what
+        parts.append(f"one of {', '.join(param.choices)}")
+    return "must be " + " ".join(parts)
 
 
 def validate(values: dict[str, Any]) -> str | None:
@@ -143,10 +143,11 @@ def validate(values: dict[str, Any]) -> str | None:
         param = BY_NAME.get(name)
         if param is None:
             continue
-        if type(value) is not type(param.default) \
-                or param.low is not None and not param.low <= value <= param.high \
-                or param.choices and value not in param.choices:
+        if type(value) is not type(param.default):
             return f"{name}: {expectation(param)}, got {value!r}"
+        if param.low is not None and not param.low <= value <= param.high \
+                or param.choices and value not in param.choices:
+            return f"{name}: {expectation(param, of_type=False)}, got {value!r}"
     merged = defaults() | values
     if 0 < merged["pixel_budget"] < MIN_PIXEL_BUDGET:
         return f"pixel_budget must be 0 (the model's) or at least {MIN_PIXEL_BUDGET}, got " \

@@ -123,10 +123,9 @@ def declare_parameters(node: Node) -> dict[str, Any]:
         try:
             node.declare_parameter(param.name, param.default, descriptor)
         except ParameterException as error:
-            raise ValueError(f"{param.name}: {params.expectation(param)}"
-                             + (" (given another type)"
-                                if isinstance(error, InvalidParameterTypeException) else "")
-                             ) from None
+            wrong_type = isinstance(error, InvalidParameterTypeException)
+            raise ValueError(f"{param.name}: {params.expectation(param, of_type=wrong_type)}"
+                             + (", given another type" if wrong_type else "")) from None
     return {p.name: node.get_parameter(p.name).value for p in params.PARAMS}
 
 

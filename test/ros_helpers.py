@@ -24,6 +24,7 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from engine_helpers import wait_until
 from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState, GetState
+from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
 from rclpy.action import ActionClient
 from rclpy.action.client import ClientGoalHandle
@@ -256,6 +257,13 @@ def send_goal(client: ActionClient, goal, timeout: float = 60.0,
     assert client.wait_for_server(timeout_sec=30), "no ask action server"
     on_feedback = None if feedback is None else (lambda msg: feedback.append(msg.feedback))
     return wait_future(client.send_goal_async(goal, feedback_callback=on_feedback), timeout)
+
+
+def set_parameter(tester: Tester, name: str, value: int):
+    """Set an integer parameter of the node through its set_parameters service; the result."""
+    request = SetParameters.Request(parameters=[Parameter(name=name, value=ParameterValue(
+        type=ParameterType.PARAMETER_INTEGER, integer_value=value))])
+    return tester.call(tester.params_client, request).results[0]
 
 
 def status_values(status: DiagnosticStatus) -> dict[str, str]:

@@ -28,6 +28,7 @@ from ros_helpers import (
     indices,
     raw_frame,
     scene,
+    set_parameter,
     stamp_msg,
     start,
     status_values,
@@ -257,17 +258,10 @@ def test_ask_command_line_prints_the_answer(raw_node, ros_domain):
 def test_parameters_are_validated_at_runtime(raw_node):
     tester, _ = raw_node
 
-    def set_param(name: str, kind: int, **value) -> object:
-        request = SetParameters.Request(parameters=[
-            Parameter(name=name, value=ParameterValue(type=kind, **value))])
-        return tester.call(tester.params_client, request).results[0]
-
-    refused = set_param("max_new_tokens", ParameterType.PARAMETER_INTEGER, integer_value=0)
+    refused = set_parameter(tester, "max_new_tokens", 0)
     assert not refused.successful and "max_new_tokens" in refused.reason
-    read_only = set_param("budget_tokens", ParameterType.PARAMETER_INTEGER, integer_value=500)
-    assert not read_only.successful
-    accepted = set_param("max_new_tokens", ParameterType.PARAMETER_INTEGER, integer_value=3)
-    assert accepted.successful
+    assert not set_parameter(tester, "budget_tokens", 500).successful  # read-only
+    assert set_parameter(tester, "max_new_tokens", 3).successful
 
 
 def test_questions_are_validated(raw_node):
@@ -302,13 +296,15 @@ def test_attacks_over_dds_are_refused_and_leave_the_memory_bit_identical(raw_nod
     notes = memory_dir / "notes.txt"
     notes.write_text("not a memory")
     (memory_dir / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
-    save = file_client(tester, "save_memory")
+    save, load = file_client(tester, "save_memory"), file_client(tester, "load_memory")
     replies = []
 
     def attack() -> None:
         for path in (str(tmp_path / "evil.safetensors"), "../evil.safetensors", "notes.txt",
                      "link.safetensors", "new_folder/evil.safetensors"):
             replies.append(tester.call(save, MemoryFile.Request(path=path)))
+        for client in (save, load):  # a name too long to look up once ended the node
+            replies.append(tester.call(client, MemoryFile.Request(path="a" * 256)))
         replies.append(tester.ask("what do you see?", max_new_tokens=2**32 - 1))
         replies.append(tester.ask("what do you see?", max_new_tokens=65535))
         replies.append(tester.ask(" "))
@@ -336,12 +332,13 @@ def test_attacks_over_dds_are_refused_and_leave_the_memory_bit_identical(raw_nod
             runs.append([(m.chunk_index, m.drift, m.kv_tokens) for m in tester.drift])
             frame_ids = [m.header.frame_id for m in tester.drift]
     assert runs[0] == runs[1]  # bit-identical: nothing the attacks did reached the memory
-    assert len(replies) == 8 and not any(r.success for r in replies)
+    assert len(replies) == 10 and not any(r.success for r in replies)
     assert all("outside memory_dir" in r.message or "'..'" in r.message
                for r in replies[:2]), [r.message for r in replies]
     assert "not a deltas_ros memory file" in replies[2].message
     assert "outside memory_dir" in replies[3].message and "does not exist" in replies[4].message
-    assert "limit 4096" in replies[5].error and "limit 4096" in replies[6].error
+    assert all("File name too long" in r.message for r in replies[5:7])
+    assert "limit 4096" in replies[7].error and "limit 4096" in replies[8].error
     assert notes.read_text() == "not a memory"
     assert not (tmp_path / "evil.safetensors").exists()
     assert not (tmp_path / "outside.safetensors").exists()
@@ -351,7 +348,7 @@ def test_attacks_over_dds_are_refused_and_leave_the_memory_bit_identical(raw_nod
     status = tester.wait_for_status(lambda s: int(status_values(s)["questions_refused"]) >= 3)
     values = status_values(status)
     assert status.level != DiagnosticStatus.ERROR and values["questions_failed"] == "0"
-    assert int(values["requests_refused"]) >= 5 and values["saves_failed"] == "0"
+    assert int(values["requests_refused"]) >= 7 and values["saves_failed"] == "0"
 
 
 def test_a_tiny_ask_timeout_on_an_idle_node_does_not_say_busy(raw_node):

@@ -13,17 +13,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import rclpy
+from deltas_ros.action import AskMemory as AskAction
 from deltas_ros.srv import MemoryFile
 from diagnostic_msgs.msg import DiagnosticStatus
 from engine_helpers import fail_on_call, wait_until
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.parameter import Parameter
-from ros_helpers import SMALL, Tester
+from ros_helpers import SMALL, Tester, send_goal, set_parameter, status_values, wait_future
 from std_srvs.srv import Trigger
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
+from deltas_ros import node as node_module
 from deltas_ros import session as session_module
-from deltas_ros.node import EXECUTOR_THREADS, NOT_READY, QUESTION_SLOTS, MemoryNode
+from deltas_ros.node import EXECUTOR_THREADS, FINALIZED, NOT_READY, QUESTION_SLOTS, MemoryNode
 
 
 @contextmanager
@@ -183,3 +185,65 @@ def test_questions_asked_together_are_answered_before_waiting_chunks(tiny_model_
     finally:
         tester.close()
     assert log[first:first + QUESTION_SLOTS] == ["ask"] * QUESTION_SLOTS, log
+
+
+def test_a_callback_that_raises_answers_a_failure_and_the_next_request_is_served(
+        tiny_model_dir, ros_env, monkeypatch):
+    """Each service, the action and the parameter service, with an exception injected inside
+    its callback: a failed reply naming it (counted), never an exception into the executor,
+    which would end the process and the memory with it."""
+    tester = Tester()
+    try:
+        with node_in_process(tiny_model_dir) as node:
+            wait_ready(tester, node)
+            session = node.session
+            save = tester.node.create_client(MemoryFile, "/deltas_memory/save_memory")
+            load = tester.node.create_client(MemoryFile, "/deltas_memory/load_memory")
+            goal = AskAction.Goal(question="what do you see?", max_new_tokens=2)
+
+            def calls() -> list:
+                """One request of each kind; their replies (the action's: its result)."""
+                handle = send_goal(tester.action, goal)
+                result = wait_future(handle.get_result_async(), 120).result \
+                    if handle.accepted else None
+                return [tester.ask("what do you see?"),
+                        tester.call(tester.reset_client, Trigger.Request()),
+                        tester.call(save, MemoryFile.Request(path="a.safetensors")),
+                        tester.call(load, MemoryFile.Request(path="a.safetensors")),
+                        result, set_parameter(tester, "max_new_tokens", 3)]
+
+            def injected(*args, **kwargs):
+                raise KeyError("injected")
+
+            for owner in (session, session.worker, node_module.params):
+                name = {session: "question_refusal", session.worker: "call"}.get(owner,
+                                                                                 "validate")
+                monkeypatch.setattr(owner, name, injected)
+            failed = calls()
+            monkeypatch.undo()
+            assert all(reply is not None and not reply.success for reply in failed[:5])
+            assert all("failed inside the node: KeyError" in reply.message
+                       for reply in failed[:5]), [r.message for r in failed[:5]]
+            assert not failed[5].successful and "KeyError" in failed[5].reason
+
+            served = calls()
+            assert all(reply.success for reply in served[:5]), [r.message for r in served]
+            assert served[5].successful and node.values["max_new_tokens"] == 3
+            assert node.requests_failed == 6
+            tester.wait_for_status(lambda s: status_values(s).get("requests_failed") == "6")
+    finally:
+        tester.close()
+
+
+def test_after_shutdown_requests_hear_finalized_and_the_process_leaves(tiny_model_dir, ros_env,
+                                                                       monkeypatch):
+    monkeypatch.setattr(node_module, "EXIT_DELAY_S", 5.0)  # a window wide enough to ask
+    tester = Tester()
+    try:
+        with node_in_process(tiny_model_dir) as node:
+            wait_ready(tester, node)
+            assert tester.transition("shutdown") and tester.lifecycle_state() == "finalized"
+            assert tester.ask("what do you see?").error == FINALIZED
+            assert wait_until(lambda: not node.context.ok(), 30)  # spin ends: main returns 0
+    finally:
+        tester.close()

@@ -85,9 +85,11 @@ def test_every_transition_over_dds(big_model_dir, ros_env, tmp_path):
         tester.stream(1.0, speed=2.0, start=BASE_STAMP + 100.0)
         tester.wait_for(lambda: len(tester.drift) == 6, timeout=60)
         assert tester.drift[-1].chunk_index == 0
-        assert tester.transition("shutdown") and tester.lifecycle_state() == "finalized"
+        assert tester.transition("shutdown")
         assert (tmp_path / "memory.safetensors").is_file()
-        assert not tester.transition("configure")  # finalized is final
+        # Finalized is final: the process leaves by itself (a launch file's respawn starts a
+        # fresh node), with code 0.
+        process.wait(timeout=60)
     finally:
         tester.close()
         code, err = stop(process)

@@ -243,3 +243,34 @@ def test_a_goal_beyond_the_action_slots_is_rejected(node):
     assert statuses == [GoalStatus.STATUS_CANCELED] * ACTION_SLOTS
     status, result, _ = tester.goal(short.question, short.max_new_tokens)
     assert status == GoalStatus.STATUS_SUCCEEDED and result.success, result.message
+
+
+def test_absurd_poses_are_refused_and_the_memory_stays_savable(node):
+    """Odometry at x = 1e308 just before a chunk and -1e308 just after: the chunk's pose once
+    interpolated to -inf and every save failed until the chunk was evicted."""
+    tester, _ = node
+    _, before = tester.last_status()
+    chunks = len(tester.drift)
+    start = BASE_STAMP + 14.0  # the module's stream goes on
+
+    def absurd(x: float, stamp: float) -> None:
+        msg = PoseStamped()
+        msg.header.stamp, msg.header.frame_id = stamp_msg(stamp), "map"
+        msg.pose.position.x, msg.pose.orientation.w = x, 1.0
+        tester.pose_pub.publish(msg)
+
+    def on_frame(i: int) -> None:
+        tester.publish_pose(start + i / 30 + POSE_LEAD)
+        if i == 25:  # around the chunk that ends at 1.0 s
+            absurd(1e308, start + 0.99)
+            absurd(-1e308, start + 1.01)
+
+    tester.stream(3.0, speed=2.0, start=start, on_frame=on_frame)
+    tester.wait_for(lambda: len(tester.drift) >= chunks + 3, timeout=120)
+    status = tester.wait_for_status(
+        lambda s: int(status_values(s)["poses_refused"]) == int(before["poses_refused"]) + 2)
+    with tester.lock:
+        for msg in tester.drift[chunks:]:
+            assert_pose(msg.pose, seconds(msg.header.stamp))  # the good poses, interpolated
+    assert saved_tensors(tester, "after_absurd_poses.safetensors")
+    assert status_values(status)["saves_failed"] == before["saves_failed"]

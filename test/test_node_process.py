@@ -1,5 +1,6 @@
-"""The node process at its edges (issue 13 findings 9, 10, 11): a reliable camera of large frames
-with default parameters, SIGINT/SIGTERM at any moment, and start-up refusals."""
+"""The node process at its edges: a reliable camera of large frames with default parameters,
+SIGINT/SIGTERM at any moment (imports, model load, a question, after lifecycle transitions),
+and start-up refusals."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from deltas_ros.srv import AskMemory
-from ros_helpers import Tester, make_slow_loading_model, raw_frame, start, status_values, stop
+from ros_helpers import (
+    Tester,
+    make_slow_loading_model,
+    raw_frame,
+    start,
+    status_values,
+    stop,
+    wait_future,
+)
 from sensor_msgs.msg import Image
 
 
@@ -117,16 +126,53 @@ def test_a_signal_during_a_question_exits_0_quickly(tiny_model_dir, ros_domain):
     assert seconds < 15.0
 
 
-# (Bad parameters moved here from test_node.py, with the traceback check.)
+@pytest.mark.parametrize("transitions", [["shutdown"], ["deactivate", "cleanup"]])
+def test_a_question_cut_by_lifecycle_transitions_then_sigint_exits_0(tiny_model_dir, ros_domain,
+                                                                     transitions):
+    """A 4096-token answer in progress, then lifecycle transitions a second later, then SIGINT:
+    the question stops at its next token, so no thread is left inside torch at exit (it aborted
+    with "terminate called without an active exception", rc -6)."""
+    process = start(tiny_model_dir, ros_domain, max_new_tokens="4096")
+    tester = Tester()
+    try:
+        tester.wait_ready(process)
+        future = tester.ask_client.call_async(AskMemory.Request(question="describe everything",
+                                                                max_new_tokens=4096))
+        tester.wait_for_status(lambda s: status_values(s)["serving"] == "ask", timeout=60)
+        time.sleep(1.0)
+        for label in transitions:
+            assert tester.transition(label), label
+        reply = wait_future(future, 30)
+        assert not reply.success and reply.message  # cut short, and told why
+        code, seconds, err = exit_after(process, signal.SIGINT)
+    finally:
+        tester.close()
+    assert code == 0 and "terminate called" not in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 1.5])
+def test_sigint_while_the_imports_load_exits_0_without_a_traceback(tiny_model_dir, ros_domain,
+                                                                   delay_s):
+    process = start(tiny_model_dir, ros_domain)
+    time.sleep(delay_s)  # torch and transformers take seconds to import
+    code, seconds, err = exit_after(process, signal.SIGINT)
+    assert code == 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
 @pytest.mark.parametrize("overrides,reason", [
     ({"budget_tokens": "100", "window_tokens": "200"}, "budget_tokens (100) must be at least"),
     ({"memory_file": "/etc/deltas.safetensors"}, "outside memory_dir"),
     ({"memory_key_file": "/etc/hostname"}, "memory_key_file"),
+    ({"budget_tokens": "-5"}, "cannot start: budget_tokens: must be within [1, 1e+07]"),
+    ({"fps": "nan"}, "cannot start: fps: must be within [0.1, 30]"),
+    ({"budget_tokens": "1.5"}, "cannot start: budget_tokens: must be an integer"),
+    ({"policy": "oracle"}, "cannot start: policy: must be one of"),
 ])
-def test_start_up_refusals_give_the_reason_and_no_traceback(tiny_model_dir, ros_domain,
-                                                            overrides, reason):
+def test_start_up_refusals_give_the_reason_in_one_line(tiny_model_dir, ros_domain, overrides,
+                                                       reason):
     process = start(tiny_model_dir, ros_domain, **overrides)
     process.wait(timeout=180)
     err = process.stderr.read()
     assert process.returncode == 1 and reason in err, err
     assert "Traceback" not in err and "AttributeError" not in err, err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err

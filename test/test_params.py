@@ -74,14 +74,14 @@ def test_empty_model_path_is_the_shipped_model_at_its_pixel_budget():
 
 @pytest.mark.parametrize("change,reason", [
     ({"pixel_budget": 100}, "pixel_budget must be 0"),
-    ({"fps": 0.0}, "fps: must be a decimal number (2.0, not 2) within [0.1, 30]"),
+    ({"fps": 0.0}, "fps: must be within [0.1, 30], got 0.0"),
     ({"fps": 2}, "fps: must be a decimal number"),
     ({"frames_per_chunk": 3}, "even"),
-    ({"policy": "oracle"}, "policy: must be a string, one of"),
-    ({"dtype": "int8"}, "dtype: must be a string, one of"),
+    ({"policy": "oracle"}, "policy: must be one of"),
+    ({"dtype": "int8"}, "dtype: must be one of"),
     ({"device": "tpu"}, "device must be"),
     ({"budget_tokens": 1000}, "budget_tokens (1000) must be at least"),
-    ({"queue_chunks": 0}, "queue_chunks: must be an integer within"),
+    ({"queue_chunks": 0}, "queue_chunks: must be within"),
     ({"image_topic": ""}, "image_topic"),
 ])
 def test_bad_values_are_refused_with_a_reason(change, reason):
