@@ -77,8 +77,9 @@ class AskActionServer:
         if not result.message:
             values = self.node.values
 
-            def on_token(text: str, tokens: int) -> None:
-                goal_handle.publish_feedback(AskMemory.Feedback(answer=text, tokens=tokens))
+            def on_token(text: str, tokens: int, reasoning: str) -> None:
+                goal_handle.publish_feedback(AskMemory.Feedback(answer=text, tokens=tokens,
+                                                                reasoning=reasoning))
 
             try:
                 answer = session.worker.ask(

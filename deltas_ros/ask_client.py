@@ -73,7 +73,8 @@ def format_response(response: AskMemory.Response) -> str:
     if not response.success:
         return f"error: {response.error}"
     evidence = ", ".join(f"{t:.1f} s" for t in response.evidence_times) or "none"
-    return (f"answer: {response.answer}\n"
+    reasoning = f"reasoning: {response.reasoning}\n" if response.reasoning else ""
+    return (f"{reasoning}answer: {response.answer}\n"
             f"evidence (stream time): {evidence}\n"
             f"memory: {response.memory_tokens} tokens covering "
             f"{response.memory_span_start:.1f}-{response.memory_span_end:.1f} s; "

@@ -79,7 +79,7 @@ def run_command(args: argparse.Namespace) -> int:
     config = MemoryConfig(
         budget_tokens=args.budget, sink_tokens=args.sinks, window_tokens=args.window,
         buckets=args.buckets, policy=args.policy, max_new_tokens=args.max_new_tokens,
-        pixel_budget=resolve_pixel_budget(args.pixel_budget, model),
+        pixel_budget=resolve_pixel_budget(args.pixel_budget, model), thinking=args.thinking,
     )
     source = open_source(args.source, args.topic)  # a bad input fails before the model loads
     memory = StreamingMemory(load_model(model, args.device, args.dtype), config)
@@ -97,7 +97,8 @@ def run_command(args: argparse.Namespace) -> int:
           f"holds {len(held)} of {summary.chunks} chunks{span}")
     for item in asked:
         evidence = ", ".join(f"{t:.2f} s" for t in item.evidence_times) or "none"
-        print(f"Q: {item.question}\nA: {item.text}\n   evidence at {evidence} "
+        reasoning = f"   reasoning: {item.reasoning}\n" if item.reasoning else ""
+        print(f"Q: {item.question}\n{reasoning}A: {item.text}\n   evidence at {evidence} "
               f"({item.latency_ms:.0f} ms)")
     print(f"wrote {args.out}")
     return 0
@@ -203,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ask", action="append", metavar="QUESTION",
                      help="ask at the end of the stream (repeatable)")
     run.add_argument("--max-new-tokens", type=int, default=64, help="longest answer in tokens")
+    run.add_argument("--thinking", action="store_true",
+                     help="let the model reason first (the reasoning is printed apart)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(run=run_command)
 

@@ -45,7 +45,9 @@ SPECIAL_TOKEN_OFFSETS = {
 }
 THINK_TOKENS = ("<think>", "</think>")
 
-# Qwen's chat template, reduced to what the memory uses: text, image and video items.
+# Qwen's chat template, reduced to what the memory uses: text, image and video items. The
+# generation prompt follows Qwen3.5's published rule: a reasoning block opens unless the caller
+# passes enable_thinking as false.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
@@ -57,8 +59,10 @@ CHAT_TEMPLATE = (
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- else -%}{{- '<think>\\n' -}}{%- endif -%}"
     "{%- endif -%}"
 )
 

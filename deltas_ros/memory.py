@@ -42,7 +42,7 @@ from .memory_results import Answer, ChunkResult, MemoryState, MemoryStats
 from .model import LoadedModel
 from .policy import ChunkSignals, make_policy, select_keep, select_runs
 from .poses import Pose
-from .prompt import ChatLayout
+from .prompt import THINK_END, ChatLayout
 from .slots import PREFIX_CHUNK, SlotTable, fill_plan
 from .state_check import check_state
 
@@ -81,7 +81,10 @@ class StreamingMemory:
         self.max_positions = self.backend.max_positions
         self._stop_ids = {self.tokenizer.convert_tokens_to_ids(t)
                           for t in ("<|im_end|>", "<|endoftext|>")}
-        self.layout = ChatLayout.from_tokenizer(self.tokenizer)
+        self.layout = ChatLayout.from_tokenizer(self.tokenizer, self.config.thinking)
+        # Where a reasoning block ends (None: the answer is all that is generated).
+        self._think_end = self.tokenizer.convert_tokens_to_ids(THINK_END) \
+            if self.layout.opens_reasoning else None
         self.reset()
 
     # ----------------------------------------------------------------------------- streaming
@@ -215,14 +218,16 @@ class StreamingMemory:
     @torch.inference_mode()
     def ask(self, question: str, max_new_tokens: int | None = None, *,
             since: float | None = None, until: float | None = None,
-            on_token: Callable[[str, int], None] | None = None,
+            on_token: Callable[[str, int, str], None] | None = None,
             cancelled: Callable[[], bool] | None = None) -> Answer:
         """Answer from what the memory holds; the memory is left bit-identical.
 
         since, until: a stream-time window (seconds, inclusive, None = open): the full-attention
         layers see only the chat prefix and the retained chunks in it, and the evidence comes
         from them (the linear-attention states summarise the whole stream). on_token(answer so
-        far, tokens so far) after each token; cancelled() before each (then `cancelled` is set).
+        far, tokens so far, reasoning so far) after each token; cancelled() before each (then
+        `cancelled` is set). With a reasoning block open (MemoryConfig.thinking), the answer is
+        what follows `</think>` and the reasoning comes apart.
         Validated first, changing nothing (ValueError; no position room: RuntimeError);
         positions are compacted only if the answer would not fit otherwise. A failure while
         answering raises QuestionFailed; after `max_question_s` the answer so far comes back
@@ -234,20 +239,34 @@ class StreamingMemory:
                    else window_slots(self.slots, since, until))
         self._make_room(len(ids) + limit, margin=0)
         kv_before = self.kv_tokens
-        tokens = None if on_token is None else (
-            lambda generated: on_token(self._text(generated), len(generated)))
+
+        def tokens(generated: list[int]) -> None:
+            answer, reasoning = self._texts(generated)
+            on_token(answer, len(generated), reasoning)
+
         generated, evidence, stop = self._rolled_back_on_failure(
             lambda snapshot: answer_question(
                 self.backend, self.slots, ids, self.next_position, limit, self._stop_ids,
                 start + self.config.max_question_s,
                 Evidence(self.config.evidence_chunks, self.config.evidence_candidates,
                          lambda: self.backend.restore(snapshot.states)),
-                allowed, tokens, cancelled),
+                allowed, on_token and tokens, cancelled),
             QuestionFailed, "the question", restore_after=True)
+        answer, reasoning = self._texts(generated)
         return Answer.from_evidence(
-            self._text(generated), evidence, self.slots, memory_tokens=kv_before,
+            answer, evidence, self.slots, memory_tokens=kv_before,
             latency_ms=(time.perf_counter() - start) * 1e3, generated_tokens=len(generated),
-            truncated=stop == "deadline", cancelled=stop == "cancelled")
+            truncated=stop == "deadline", cancelled=stop == "cancelled", reasoning=reasoning)
+
+    def _texts(self, generated: list[int]) -> tuple[str, str]:
+        """(answer, reasoning) of the generated ids: with a reasoning block open, what comes
+        before `</think>` is reasoning (all of it while the block is still open)."""
+        if self._think_end is None:
+            return self._text(generated), ""
+        if self._think_end not in generated:
+            return "", self._text(generated)
+        end = generated.index(self._think_end)
+        return self._text(generated[end + 1:]), self._text(generated[:end])
 
     def _text(self, generated: list[int]) -> str:
         return self.tokenizer.decode(generated, skip_special_tokens=True).strip()

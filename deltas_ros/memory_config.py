@@ -34,6 +34,10 @@ class MemoryConfig:
     answer each); 0 candidates: the chunks attended to most (no extra forward).
     max_question_s: a question holds the worker at most this long; then it returns the answer
     so far, marked truncated, so the camera stream is not starved.
+    thinking: let the model reason before it answers (the chat template's `enable_thinking`;
+    Qwen3.5's published template opens a `<think>` block unless it is false). The answer is
+    then what follows `</think>`, the reasoning is returned apart, and max_new_tokens bounds
+    both together.
     eviction: "fill" moves only the evicted slots' replacements (O(evicted) per event; the slots
     leave arrival order); "gather" copies every kept slot in arrival order (the reference).
     """
@@ -52,6 +56,7 @@ class MemoryConfig:
     max_question_tokens: int = 2048
     max_answer_tokens: int = 4096
     max_question_s: float = 60.0
+    thinking: bool = False
     eviction: str = "fill"
 
     def __post_init__(self) -> None:

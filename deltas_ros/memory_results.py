@@ -35,6 +35,8 @@ class Answer:
 
     truncated: the answer stopped at `max_question_s`, not at its end or its token limit.
     cancelled: the caller cancelled it; `text` is the answer so far.
+    reasoning: what the model wrote in its reasoning block before `text` (MemoryConfig.thinking;
+    "" without one). A block still open when generation stopped leaves `text` empty.
     evidence_poses: the robot pose at each evidence chunk's stamp (None where unknown).
     """
 
@@ -49,6 +51,7 @@ class Answer:
     truncated: bool = False
     cancelled: bool = False
     evidence_poses: list[Pose | None] = field(default_factory=list)
+    reasoning: str = ""
 
     @classmethod
     def from_evidence(cls, text: str, evidence: list[int], slots: SlotTable,

@@ -259,10 +259,9 @@ class MemoryNode(LifecycleNodeMixin, Node):
         session, self.session = self.session, None
         if session is None:
             return
-        worker = session.worker
         ended, freed = session.close(SHUTDOWN_S)
-        if not ended and worker is not None:
-            self.lingering.append(worker)
+        if not ended:  # no reference to it before: freeing the memory must not wait for us
+            self.lingering.append(session.worker)
             self._log().warning(f"{why}: the model is still inside its current item after "
                                 f"{SHUTDOWN_S:.0f} s; it is left to finish")
         self._log().info(f"{why}: the model and the memory are freed ({freed})")

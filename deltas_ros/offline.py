@@ -268,6 +268,7 @@ class AskedQuestion:
     evidence_stamps: list[float | None]
     memory_tokens: int
     latency_ms: float
+    reasoning: str = ""
 
 
 def run_file(
@@ -308,7 +309,7 @@ def run_file(
             answer = memory.ask(question, max_new_tokens)
             asked.append(AskedQuestion(question, answer.text, answer.evidence_times,
                                        answer.evidence_stamps, answer.memory_tokens,
-                                       answer.latency_ms))
+                                       answer.latency_ms, answer.reasoning))
         totals = {k: v for k, v in asdict(summary).items() if k != "records"}
         writer.summary(totals | {"answers": [asdict(a) for a in asked]})
     return summary, asked

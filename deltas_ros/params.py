@@ -71,6 +71,9 @@ PARAMS: tuple[Param, ...] = (
     Param("seed", 0, "Seed of the random policy", low=0, high=2**31 - 1),
     Param("max_new_tokens", 64, "Longest answer in tokens (a request may ask for fewer)",
           read_only=False, low=1, high=4096),
+    Param("thinking", False,
+          "Let the model reason before it answers (the chat template's enable_thinking); the "
+          "reasoning is returned apart from the answer, max_new_tokens bounds both"),
     Param("evidence_chunks", 3, "Chunks reported as an answer's evidence", low=1, high=64),
     Param("evidence_candidates", 32,
           "Chunks the answer attended to most that are each left out once to find the ones it "
@@ -186,4 +189,5 @@ def memory_config(values: dict[str, Any]) -> MemoryConfig:
         evidence_chunks=values["evidence_chunks"],
         evidence_candidates=values["evidence_candidates"],
         max_question_s=values["max_question_s"],
+        thinking=values["thinking"],
     )

@@ -60,6 +60,7 @@ def fill_answer(target: Any, answer: Answer) -> None:
     """AskMemory.Response / AskMemory action Result fields from an answer. The three evidence
     arrays have one entry per evidence chunk (zero stamps, empty poses where unknown)."""
     target.answer, target.truncated = answer.text, answer.truncated
+    target.reasoning = answer.reasoning
     target.evidence_times = [float(t) for t in answer.evidence_times]
     target.evidence_stamps = [Time() if s is None else to_time_msg(s)
                               for s in answer.evidence_stamps]

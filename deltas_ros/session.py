@@ -240,10 +240,13 @@ class Session:
 
     def close(self, timeout_s: float) -> tuple[bool, str]:
         """Stop the worker and free the memory and the model (lifecycle cleanup and shutdown):
-        (whether the worker ended within timeout_s, what was freed, measured)."""
+        (whether the worker ended within timeout_s, what was freed, measured). A worker that
+        did not end stays in `worker` (it holds the model until its item ends)."""
         before = memory_in_use()
         ended = self.worker.stop(timeout_s) if self.worker is not None else True
-        self.worker = self.memory = self.last_result = None
+        if ended:
+            self.worker = None
+        self.memory = self.last_result = None
         self.ready = False
         release_memory()
         after = memory_in_use()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from deltas_ros.srv import AskMemory
 from ros_helpers import (
+    PREFIX,
     Tester,
     make_slow_loading_model,
     raw_frame,
@@ -163,14 +164,26 @@ def test_sigint_while_the_imports_load_exits_0_without_a_traceback(tiny_model_di
     ({"budget_tokens": "100", "window_tokens": "200"}, "budget_tokens (100) must be at least"),
     ({"memory_file": "/etc/deltas.safetensors"}, "outside memory_dir"),
     ({"memory_key_file": "/etc/hostname"}, "memory_key_file"),
-    ({"budget_tokens": "-5"}, "cannot start: budget_tokens: must be within [1, 1e+07]"),
-    ({"fps": "nan"}, "cannot start: fps: must be within [0.1, 30]"),
-    ({"budget_tokens": "1.5"}, "cannot start: budget_tokens: must be an integer"),
     ({"policy": "oracle"}, "cannot start: policy: must be one of"),
+    # As `ros2 run deltas_ros memory_node --ros-args -p ...` gives them, without the params
+    # file (rcl drops a -p value whose type differs from the params file's, such as 1.5).
+    ({"budget_tokens": "-5", "bare": True},
+     "cannot start: budget_tokens: must be within [1, 1e+07]"),
+    ({"fps": "nan", "bare": True}, "cannot start: fps: must be within [0.1, 30]"),
+    ({"budget_tokens": "1.5", "bare": True}, "cannot start: budget_tokens: must be an integer"),
 ])
 def test_start_up_refusals_give_the_reason_in_one_line(tiny_model_dir, ros_domain, overrides,
                                                        reason):
-    process = start(tiny_model_dir, ros_domain, **overrides)
+    overrides = dict(overrides)
+    if overrides.pop("bare", False):
+        command = [str(PREFIX / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
+                   "-p", f"model_path:={tiny_model_dir}"]
+        for key, value in overrides.items():
+            command += ["-p", f"{key}:={value}"]
+        process = subprocess.Popen(command, env=ros_domain, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+    else:
+        process = start(tiny_model_dir, ros_domain, **overrides)
     process.wait(timeout=180)
     err = process.stderr.read()
     assert process.returncode == 1 and reason in err, err

@@ -168,3 +168,13 @@ def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it(ros_env, monke
         node.destroy_node()
     finally:
         rclpy.try_shutdown(context=context)
+
+
+@pytest.mark.parametrize("target", [AskMemory.Response, AskAction.Result])
+def test_the_reasoning_travels_apart_from_the_answer(target):
+    answer = Answer(text="red", evidence_times=[], evidence_stamps=[], memory_tokens=8,
+                    span_start=0.0, span_end=4.0, latency_ms=1.0, generated_tokens=9,
+                    reasoning="the cube on the left is red")
+    msg = target()
+    fill_answer(msg, answer)
+    assert (msg.answer, msg.reasoning) == ("red", "the cube on the left is red")
