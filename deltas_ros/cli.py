@@ -11,9 +11,9 @@
                    [--budget 8192] [--window 1024] [--sinks 4] [--buckets 4]
                    [--pixel-budget N] [--fps 2] [--device auto] [--dtype auto] [--topic T]
                    [--ask "question" ...] [--max-new-tokens 64] [--quiet]
-    deltas-ros plan [--model DIR | --config FILE] [--budget 8192] [--pixel-budget N]
-                    [--frame 640x480] [--device auto] [--dtype auto] [--available-gib G]
-                    [--json]
+    deltas-ros plan [--model DIR [DIR ...] | --config FILE [FILE ...]] [--budget 8192 ...]
+                    [--pixel-budget N] [--frame 640x480] [--device auto] [--dtype auto]
+                    [--available-gib G] [--json | --markdown]
     deltas-ros plot RESULTS [RESULTS ...] [--out plot.png]
     deltas-ros ask "question" [--node /deltas_memory] [--max-new-tokens N] [--timeout 120]
                    [--wait-idle]
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def make_model_command(args: argparse.Namespace) -> int:
@@ -115,24 +116,34 @@ def plan_command(args: argparse.Namespace) -> int:
 
     from .chunks import DEFAULT_PIXEL_BUDGET
     from .model import resolve_device, resolve_dtype, resolve_model_path, resolve_pixel_budget
-    from .plan import PlanInputs, plan_for_path
+    from .plan import PlanInputs, markdown_table, plan_for_path
 
-    source = args.config or resolve_model_path(args.model)
+    sources = args.config or [resolve_model_path(path) for path in args.model or [None]]
     height, width = parse_frame(args.frame)
-    inputs = PlanInputs(
-        budget_tokens=args.budget, frame=(height, width), fps=args.fps,
-        pixel_budget=(args.pixel_budget or DEFAULT_PIXEL_BUDGET) if args.config
-        else resolve_pixel_budget(args.pixel_budget, source),
-        frames_per_chunk=args.frames_per_chunk, answer_tokens=args.max_new_tokens,
-        evidence_candidates=args.evidence_candidates,
-    )
     # With --available-gib the plan is for another machine: any device name is accepted.
     device = (torch.device(args.device) if args.available_gib is not None and args.device != "auto"
               else resolve_device(args.device))
     available = None if args.available_gib is None else int(args.available_gib * 2**30)
-    plan = plan_for_path(source, inputs, device, resolve_dtype(args.dtype, device), available)
-    print(json.dumps(plan.to_json(), indent=2) if args.json else f"{source}\n{plan.summary()}")
-    return 0 if plan.fits else 1
+    plans = []
+    for source in sources:
+        pixel_budget = ((args.pixel_budget or DEFAULT_PIXEL_BUDGET) if args.config
+                        else resolve_pixel_budget(args.pixel_budget, source))
+        for budget in args.budget:
+            inputs = PlanInputs(
+                budget_tokens=budget, pixel_budget=pixel_budget, frame=(height, width),
+                fps=args.fps, frames_per_chunk=args.frames_per_chunk,
+                answer_tokens=args.max_new_tokens, evidence_candidates=args.evidence_candidates)
+            plans.append((Path(source).stem, plan_for_path(
+                source, inputs, device, resolve_dtype(args.dtype, device), available)))
+    if args.json:
+        found = [plan.to_json() for _, plan in plans]
+        print(json.dumps(found[0] if len(found) == 1 else found, indent=2))
+    elif args.markdown:
+        print(markdown_table(plans))
+    else:
+        print("\n\n".join(f"{name}, M = {plan.budget_tokens}\n{plan.summary()}"
+                          for name, plan in plans))
+    return 0 if all(plan.fits for _, plan in plans) else 1
 
 
 def parse_frame(text: str) -> tuple[int, int]:
@@ -252,11 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help=plan_command.__doc__)
     source = plan.add_mutually_exclusive_group()
-    source.add_argument("--model", help="local Qwen3.5 model directory (default: the shipped "
-                                        "scene model)")
-    source.add_argument("--config", help="a Qwen3.5 config.json-style file, e.g. "
-                                         "config/models/qwen3_5_9b.json")
-    plan.add_argument("--budget", type=int, default=8192, help="KV cache budget M in tokens")
+    source.add_argument("--model", action="extend", nargs="+",
+                        help="local Qwen3.5 model directories (default: the shipped scene "
+                             "model)")
+    source.add_argument("--config", action="extend", nargs="+",
+                        help="Qwen3.5 config.json-style files, e.g. "
+                             "config/models/qwen3_5_9b.json")
+    plan.add_argument("--budget", type=int, nargs="+", default=[8192],
+                      help="KV cache budget M in tokens (several: one plan each)")
     plan.add_argument("--pixel-budget", type=int,
                       help="pixels per frame after resizing (default: the model's stored "
                            "budget, else 320x320; as the node)")
@@ -271,7 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "float16"])
     plan.add_argument("--available-gib", type=float,
                       help="plan for a device with this much free memory instead of this one")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    output = plan.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true",
+                        help="print the plan as JSON (a list for several)")
+    output.add_argument("--markdown", action="store_true",
+                        help="print the plans as one Markdown table")
     plan.set_defaults(run=plan_command)
 
     plot = commands.add_parser("plot", help=plot_command.__doc__)

@@ -165,6 +165,27 @@ class Plan:
         return "\n".join(lines)
 
 
+def markdown_table(plans: list[tuple[str, Plan]]) -> str:
+    """(name, plan) pairs as one Markdown table, e.g. every released size at two budgets."""
+    rows = ["| model | parameters | M | weights | KV cache | states | snapshot | largest "
+            "transient | peak | stream M holds | fits |", "|---" * 11 + "|"]
+    for name, plan in plans:
+        transient = max(("chunk", plan.chunk_forward_bytes), ("question", plan.question_bytes),
+                        ("evidence", plan.evidence_bytes), key=lambda item: item[1])
+        rows.append(
+            f"| {name} | {plan.parameters / 1e9:.2f} B | {plan.budget_tokens} | "
+            f"{gib(plan.weights_bytes)} | {mib(plan.kv_bytes)} | "
+            f"{mib(plan.state_bytes + plan.conv_state_bytes)} | {mib(plan.snapshot_bytes)} | "
+            f"{mib(transient[1])} ({transient[0]}) | {gib(plan.peak_bytes)} | "
+            f"{plan.stream_seconds / 60:.1f} min | "
+            f"{'yes' if plan.fits else 'no'} ({gib(plan.available_bytes)}) |")
+    return "\n".join(rows)
+
+
+def gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
 def mib(size: int) -> str:
     return f"{size / 2**20:,.0f} MiB"
 

@@ -97,6 +97,12 @@ def test_plan_command_gives_the_9b_kv_cache_and_states():
     code, out = run_cli("plan", "--config", MODELS / "qwen3_5_9b.json", "--dtype", "bfloat16",
                         "--device", "cuda", "--available-gib", "16")
     assert code == 1 and "does NOT fit" in out and "KV cache" in out
+    code, out = run_cli("plan", "--markdown", "--config", *sorted(MODELS.glob("*.json")),
+                        "--budget", "8192", "16384", "--dtype", "bfloat16", "--available-gib",
+                        "16")
+    rows = out.strip().splitlines()[2:]
+    assert code == 1 and len(rows) == 8  # the 9B does not fit in 16 GiB
+    assert rows[-1].startswith("| qwen3_5_9b | 9.41 B | 16384 |") and "| no (16.00 GiB) |" in out
 
 
 def test_the_plan_counts_what_the_engine_holds(tiny_model):
