@@ -39,7 +39,7 @@ import torch
 from .backend import EVIDENCE_SLICE_ELEMENTS
 from .chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
 from .memory_config import MemoryConfig
-from .model import parameter_count, read_config, resolve_device, resolve_dtype
+from .model import Qwen3_5Config, parameter_count, read_config, resolve_device, resolve_dtype
 
 # Text tokens of a chunk besides its video tokens: "<123.4 seconds>" (Qwen's tokenizer splits
 # digits: about 8 tokens) and <|vision_start|>, <|vision_end|>.
@@ -87,7 +87,7 @@ class Shape:
     vision_heads: int
 
     @classmethod
-    def of(cls, config) -> Shape:
+    def of(cls, config: Qwen3_5Config) -> Shape:
         text, vision = config.text_config, config.vision_config
         kinds = text.layer_types
         return cls(
@@ -205,7 +205,7 @@ def conv_state_bytes(shape: Shape, dtype_bytes: int) -> int:
     return shape.linear_layers * shape.conv_channels * shape.conv_kernel * dtype_bytes
 
 
-def chunk_tokens(config, inputs: PlanInputs) -> tuple[int, int]:
+def chunk_tokens(config: Qwen3_5Config, inputs: PlanInputs) -> tuple[int, int]:
     """(all tokens, video tokens) of one chunk of `inputs.frame`-sized frames: the same resize
     the chunk builder makes, one timestamp text per temporal group."""
     vision = config.vision_config
@@ -230,15 +230,14 @@ def attention_bytes(shape: Shape, tokens: int, new: int, dtype_bytes: int) -> in
     """One full-attention layer's inputs beyond the cache: the K/V repeated to every query head
     (the masked GQA path copies them) and the boolean mask of `new` queries."""
     total = tokens + new
-    repeated = 2 * shape.heads * total * shape.head_dim * dtype_bytes if shape.heads > \
-        shape.kv_heads else 0
-    return repeated + new * total
+    repeated = 2 * shape.heads * total * shape.head_dim * dtype_bytes
+    return (repeated if shape.heads > shape.kv_heads else 0) + new * total
 
 
 def layer_bytes(shape: Shape, new: int, dtype_bytes: int) -> int:
-    """The widest layer's working set for `new` tokens: the residual stream and the MLP's three
-    intermediate-wide tensors, and the chunked gated delta rule's float32 copies of q, k, v
-    (padded to its 64-token chunks, each several times)."""
+    """The widest layer's working set for `new` tokens: the residual stream, plus the larger of
+    the MLP's three intermediate-wide tensors and the chunked gated delta rule's float32 copies
+    of q, k, v (padded to its 64-token chunks, each several times)."""
     padded = math.ceil(new / 64) * 64
     residual = 4 * new * shape.hidden * dtype_bytes
     mlp = 3 * new * shape.intermediate * dtype_bytes
@@ -306,8 +305,8 @@ def available_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read the available memory (/proc/meminfo has no MemAvailable)")
 
 
-def make_plan(config, inputs: PlanInputs, device: torch.device, dtype: torch.dtype,
-              available: int | None = None) -> Plan:
+def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
+              dtype: torch.dtype, available: int | None = None) -> Plan:
     """The plan of `config` (a Qwen3.5 config) for `inputs` on `device` in `dtype`; `available`
     replaces the device's free memory (`available_bytes`), e.g. to plan for another machine."""
     shape = Shape.of(config)
