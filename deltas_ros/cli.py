@@ -38,7 +38,8 @@ def make_model_command(args: argparse.Namespace) -> int:
     config = config_from_file(args.config) if args.config else tiny_config()
     dtype = getattr(torch, args.dtype)
     out = make_model(args.out_dir, config, seed=args.seed, dtype=dtype, shards=args.shards)
-    layout = f" in the published layout ({args.shards} shards)" if args.shards else ""
+    files = len(list(out.glob("model*.safetensors")))
+    layout = f" in the published layout ({files} weight files)" if args.shards else ""
     print(f"wrote a random-init Qwen3.5 model to {out}{layout}")
     return 0
 
