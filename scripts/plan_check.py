@@ -65,18 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     results = [memory.add_chunk(frames[2 * i:2 * i + 2], [i, i + 0.5]) for i in range(chunks)]
     streamed = rss_bytes()
     answer = memory.ask("What was on the table, and when did it appear?")
+    added = peak_rss_bytes() - baseline
     figures = {
         "model": args.model, "dtype": args.dtype, "budget_tokens": args.budget,
         "chunks": chunks, "eviction_events": sum(r.evicted_tokens > 0 for r in results),
         "kv_tokens": memory.kv_tokens, "chunk_tokens": results[-1].chunk_tokens,
         "answer_tokens": answer.generated_tokens, "evidence": answer.evidence_times,
         "wall_s": round(time.perf_counter() - started, 1),
-        "rss_before_model": baseline, "rss_after_stream": streamed, "rss_after_question":
-        rss_bytes(), "peak_rss": peak_rss_bytes(), "plan": plan.to_json(),
+        "rss_before_model": baseline, "rss_after_stream": streamed,
+        "rss_after_question": rss_bytes(), "peak_rss": baseline + added,
+        "peak_added": added, "plan_error": plan.peak_bytes / added - 1, "plan": plan.to_json(),
     }
-    added = figures["peak_rss"] - baseline
-    figures["peak_added"] = added
-    figures["plan_error"] = plan.peak_bytes / added - 1
     print(json.dumps(figures, indent=2) if args.out is None else f"wrote {args.out}")
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
