@@ -1,7 +1,7 @@
 """`deltas-ros`: the package's one command line. Each subcommand is a small function below.
 
     deltas-ros make-model --tiny OUT_DIR
-    deltas-ros make-model --config qwen3_5_9b_config.json OUT_DIR
+    deltas-ros make-model --config qwen3_5_9b_config.json OUT_DIR [--shards N]
     deltas-ros synth OUT_BAG [--duration 30] [--fps 30] [--width 640] [--height 480]
                      [--encoding rgb8|jpeg] [--storage mcap|sqlite3] [--topic T] [--seed 0]
                      [--scenes]
@@ -11,6 +11,9 @@
                    [--budget 8192] [--window 1024] [--sinks 4] [--buckets 4]
                    [--pixel-budget N] [--fps 2] [--device auto] [--dtype auto] [--topic T]
                    [--ask "question" ...] [--max-new-tokens 64] [--quiet]
+    deltas-ros plan [--model DIR [DIR ...] | --config FILE [FILE ...]] [--budget 8192 ...]
+                    [--pixel-budget N] [--frame 640x480] [--device auto] [--dtype auto]
+                    [--available-gib G] [--json | --markdown]
     deltas-ros plot RESULTS [RESULTS ...] [--out plot.png]
     deltas-ros ask "question" [--node /deltas_memory] [--max-new-tokens N] [--timeout 120]
                    [--wait-idle]
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def make_model_command(args: argparse.Namespace) -> int:
@@ -33,8 +37,10 @@ def make_model_command(args: argparse.Namespace) -> int:
 
     config = config_from_file(args.config) if args.config else tiny_config()
     dtype = getattr(torch, args.dtype)
-    out = make_model(args.out_dir, config, seed=args.seed, dtype=dtype)
-    print(f"wrote a random-init Qwen3.5 model to {out}")
+    out = make_model(args.out_dir, config, seed=args.seed, dtype=dtype, shards=args.shards)
+    files = len(list(out.glob("model*.safetensors")))
+    layout = f" in the published layout ({files} weight files)" if args.shards else ""
+    print(f"wrote a random-init Qwen3.5 model to {out}{layout}")
     return 0
 
 
@@ -104,6 +110,53 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_command(args: argparse.Namespace) -> int:
+    """Memory a model, a budget M and a pixel budget need on a device, and whether they fit."""
+    import json
+
+    import torch
+
+    from .chunks import DEFAULT_PIXEL_BUDGET
+    from .model import resolve_device, resolve_dtype, resolve_model_path, resolve_pixel_budget
+    from .plan import PlanInputs, markdown_table, plan_for_path
+
+    sources = args.config or [resolve_model_path(path) for path in args.model or [None]]
+    height, width = parse_frame(args.frame)
+    # With --available-gib the plan is for another machine: any device name is accepted.
+    device = (torch.device(args.device) if args.available_gib is not None and args.device != "auto"
+              else resolve_device(args.device))
+    available = None if args.available_gib is None else int(args.available_gib * 2**30)
+    plans = []
+    for source in sources:
+        pixel_budget = ((args.pixel_budget or DEFAULT_PIXEL_BUDGET) if args.config
+                        else resolve_pixel_budget(args.pixel_budget, source))
+        for budget in args.budget:
+            inputs = PlanInputs(
+                budget_tokens=budget, pixel_budget=pixel_budget, frame=(height, width),
+                fps=args.fps, frames_per_chunk=args.frames_per_chunk,
+                answer_tokens=args.max_new_tokens, evidence_candidates=args.evidence_candidates)
+            plans.append((Path(source).stem, plan_for_path(
+                source, inputs, device, resolve_dtype(args.dtype, device), available)))
+    if args.json:
+        found = [plan.to_json() for _, plan in plans]
+        print(json.dumps(found[0] if len(found) == 1 else found, indent=2))
+    elif args.markdown:
+        print(markdown_table(plans))
+    else:
+        print("\n\n".join(f"{name}, M = {plan.budget_tokens}\n{plan.summary()}"
+                          for name, plan in plans))
+    return 0 if all(plan.fits for _, plan in plans) else 1
+
+
+def parse_frame(text: str) -> tuple[int, int]:
+    """"WIDTHxHEIGHT" -> (height, width)."""
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError as error:
+        raise ValueError(f"--frame must be WIDTHxHEIGHT, e.g. 640x480, not {text!r}") from error
+    return height, width
+
+
 def plot_command(args: argparse.Namespace) -> int:
     """Plot drift over stream time and what each memory still holds, from results files."""
     from .plot import plot_results
@@ -149,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("out_dir", help="directory to write")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    make.add_argument("--shards", type=int,
+                      help="lay the directory out as a published checkpoint, the weights in "
+                           "about N safetensors shards with their index (1: one file)")
     make.set_defaults(run=make_model_command)
 
     synth = commands.add_parser("synth", help=synth_command.__doc__)
@@ -208,6 +264,37 @@ def build_parser() -> argparse.ArgumentParser:
                      help="let the model reason first (the reasoning is printed apart)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(run=run_command)
+
+    plan = commands.add_parser("plan", help=plan_command.__doc__)
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--model", action="extend", nargs="+",
+                        help="local Qwen3.5 model directories (default: the shipped scene "
+                             "model)")
+    source.add_argument("--config", action="extend", nargs="+",
+                        help="Qwen3.5 config.json-style files, e.g. "
+                             "config/models/qwen3_5_9b.json")
+    plan.add_argument("--budget", type=int, nargs="+", default=[8192],
+                      help="KV cache budget M in tokens (several: one plan each)")
+    plan.add_argument("--pixel-budget", type=int,
+                      help="pixels per frame after resizing (default: the model's stored "
+                           "budget, else 320x320; as the node)")
+    plan.add_argument("--frame", default="640x480", help="camera frame size, WIDTHxHEIGHT")
+    plan.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
+    plan.add_argument("--frames-per-chunk", type=int, default=2)
+    plan.add_argument("--max-new-tokens", type=int, default=64, help="longest answer")
+    plan.add_argument("--evidence-candidates", type=int, default=32,
+                      help="chunks left out once each to find an answer's evidence (0: none)")
+    plan.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    plan.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                           "float16"])
+    plan.add_argument("--available-gib", type=float,
+                      help="plan for a device with this much free memory instead of this one")
+    output = plan.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true",
+                        help="print the plan as JSON (a list for several)")
+    output.add_argument("--markdown", action="store_true",
+                        help="print the plans as one Markdown table")
+    plan.set_defaults(run=plan_command)
 
     plot = commands.add_parser("plot", help=plot_command.__doc__)
     plot.add_argument("results", nargs="+", help="results files of `deltas-ros run`")

@@ -25,6 +25,7 @@ from transformers import (
 
 from .backend import linear_attention_modules
 from .chunks import DEFAULT_PIXEL_BUDGET
+from .model import read_config
 
 # Offsets of Qwen's special tokens from <|vision_start|>, as in Qwen2.5/3/3.5's vocabularies.
 SPECIAL_TOKEN_OFFSETS = {
@@ -154,12 +155,7 @@ def tiny_config(text: dict | None = None, vision: dict | None = None,
 
 def config_from_file(path: str | Path) -> Qwen3_5Config:
     """A Qwen3.5 config from a config.json-style file (e.g. the real 9B dimensions)."""
-    raw = json.loads(Path(path).read_text())
-    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
-    if raw.pop("model_type", "qwen3_5") != "qwen3_5":
-        raise ValueError(f"{path}: model_type must be qwen3_5")
-    raw.pop("architectures", None)
-    return Qwen3_5Config(**raw)
+    return read_config(path)
 
 
 @torch.no_grad()
@@ -194,17 +190,50 @@ def make_model(
     config: Qwen3_5Config | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    shards: int | None = None,
 ) -> Path:
-    """Write a random-init Qwen3.5 model + tokenizer that `load_model` reads like real weights."""
+    """Write a random-init Qwen3.5 model + tokenizer that `load_model` reads like real weights.
+
+    shards: lay the directory out as a published checkpoint instead (`write_published_layout`),
+    the weights split into about that many safetensors files (1: one model.safetensors), so the
+    files a user downloads are what the tests load.
+    """
     out_dir = Path(out_dir)
     config = config or tiny_config()
     model = init_model(config, seed).to(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
     tokenizer = make_tokenizer(config.vision_start_token_id)
+    processor = make_processor(tokenizer, config)
+    if shards is not None:
+        write_published_layout(out_dir, model, processor, shards)
+        return out_dir
+    model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    make_processor(tokenizer, config).save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
     return out_dir
+
+
+def write_published_layout(out_dir: Path, model: Qwen3_5ForConditionalGeneration,
+                           processor: Qwen3VLProcessor, shards: int) -> None:
+    """The files of a published Qwen3.5 repository: config.json, generation_config.json (its
+    `eos_token_id` list: <|im_end|> and <|endoftext|>), preprocessor_config.json,
+    video_preprocessor_config.json, chat_template.jinja, tokenizer.json, tokenizer_config.json
+    and the weights, as model-0000N-of-0000M.safetensors with model.safetensors.index.json when
+    `shards` > 1 (each at most 1/shards of the whole, so a few more files when tensors do not
+    divide evenly)."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(out_dir, **({"max_shard_size": math.ceil(total / shards)}
+                                      if shards > 1 else {}))
+    tokenizer = processor.tokenizer
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    (out_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": pad, "eos_token_id": stops, "pad_token_id": pad}, indent=2) + "\n")
+    tokenizer.save_pretrained(out_dir)
+    processor.image_processor.save_pretrained(out_dir)
+    processor.video_processor.save_pretrained(out_dir)
 
 
 def make_processor(

@@ -39,7 +39,7 @@ from .memory_config import (
     raise_rolled_back,
 )
 from .memory_results import Answer, ChunkResult, MemoryState, MemoryStats
-from .model import LoadedModel
+from .model import LoadedModel, stop_token_ids
 from .policy import ChunkSignals, make_policy, select_keep, select_runs
 from .poses import Pose
 from .prompt import THINK_END, ChatLayout
@@ -79,8 +79,7 @@ class StreamingMemory:
         self.builder = ChunkBuilder.for_model(self.model, self.tokenizer, self.config.pixel_budget)
         self.backend = Backend(self.model, self.device, loaded.dtype)
         self.max_positions = self.backend.max_positions
-        self._stop_ids = {self.tokenizer.convert_tokens_to_ids(t)
-                          for t in ("<|im_end|>", "<|endoftext|>")}
+        self._stop_ids = stop_token_ids(loaded.path, self.tokenizer)
         self.layout = ChatLayout.from_tokenizer(self.tokenizer, self.config.thinking)
         # Where a reasoning block ends (None: the answer is all that is generated).
         self._think_end = self.tokenizer.convert_tokens_to_ids(THINK_END) \

@@ -17,6 +17,7 @@ import torch
 from transformers import (
     AutoModelForImageTextToText,
     AutoTokenizer,
+    Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5Tokenizer,
 )
@@ -29,6 +30,11 @@ from .chunks import DEFAULT_PIXEL_BUDGET
 # optional and left empty. MODEL_INFO_FILE beside a model's weights records how it was trained.
 SHIPPED_MODEL = Path(__file__).parent / "models" / "scenes-tiny"
 MODEL_INFO_FILE = "deltas_model.json"
+# A published checkpoint lists its stop tokens here (`eos_token_id`: one id or a list).
+GENERATION_CONFIG_FILE = "generation_config.json"
+# What ends an answer when the model directory does not say: the chat turn's end and Qwen's
+# end of text.
+DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Config entries written by save_pretrained that do not change what the model computes.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "_name_or_path"}
 
@@ -71,6 +77,25 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def resolve_device(device: str) -> torch.device:
+    """"auto" (CUDA when available), "cpu", "cuda" or "cuda:N" as a device; RuntimeError when
+    CUDA is asked for and missing (the loader and the memory plan agree on the device)."""
+    torch_device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    )
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} requested but CUDA is not available")
+    return torch_device
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto" (`default_dtype` of the device), "float32", "bfloat16" or "float16"."""
+    torch_dtype = default_dtype(device) if dtype == "auto" else getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return torch_dtype
+
+
 def load_model(
     path: str | Path, device: str = "auto", dtype: str = "auto"
 ) -> LoadedModel:
@@ -82,14 +107,8 @@ def load_model(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no model at {path}: config.json is missing")
-    torch_device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    )
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {device!r} requested but CUDA is not available")
-    torch_dtype = default_dtype(torch_device) if dtype == "auto" else getattr(torch, dtype)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
     # The kernel hub's "falling back to the reference implementation" notices and the weight
     # loading progress bar are noise in a node's log; real problems still raise.
     logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
@@ -101,6 +120,40 @@ def load_model(
     fla = select_gated_delta_kernels(model, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(model, tokenizer, path, torch_device, torch_dtype, fla)
+
+
+def read_config(path: str | Path) -> Qwen3_5Config:
+    """The Qwen3.5 config of a model directory (its config.json) or of a config.json-style file
+    (e.g. config/models/qwen3_5_9b.json): what sizing needs, without loading any weights."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no model config at {path}")
+    raw = json.loads(file.read_text())
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    if raw.pop("model_type", "qwen3_5") != "qwen3_5":
+        raise ValueError(f"{file}: model_type must be qwen3_5")
+    raw.pop("architectures", None)
+    return Qwen3_5Config(**raw)
+
+
+def parameter_count(config: Qwen3_5Config) -> int:
+    """Parameters of the model `config` describes, counted on the meta device (no memory, no
+    weights read; tied embeddings count once, as they are stored)."""
+    with torch.device("meta"):
+        model = Qwen3_5ForConditionalGeneration(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def stop_token_ids(path: str | Path, tokenizer: Qwen3_5Tokenizer) -> set[int]:
+    """The tokens that end an answer: `eos_token_id` of the directory's generation config (one
+    id or a list; a published checkpoint lists <|im_end|> and <|endoftext|>) when it has one,
+    else DEFAULT_STOP_TOKENS."""
+    file = Path(path) / GENERATION_CONFIG_FILE
+    eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    if eos is None:
+        return {tokenizer.convert_tokens_to_ids(token) for token in DEFAULT_STOP_TOKENS}
+    return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
 def config_sha256(config) -> str:

@@ -38,6 +38,7 @@ from .memory_files import MemoryFiles, MemoryPathError, read_key, read_metadata
 from .model import load_model
 from .params import BY_NAME, memory_config, validate
 from .persist import load_memory, save_memory
+from .plan import require_fit
 from .poses import Pose
 from .worker import MemoryWorker
 
@@ -211,9 +212,12 @@ class Session:
     def open_memory(self) -> tuple[StreamingMemory, str]:
         """Load the model and open its memory, continuing memory_file with load_on_start:
         (the memory, a load_on_start problem or ""). RuntimeError with the reason if the model
-        does not load. Before `attach`: nothing else touches the memory yet."""
+        and its memory would not fit on the device (`plan.require_fit`, before loading) or the
+        model does not load. Before `attach`: nothing else touches the memory yet."""
         p = self.values
         try:
+            require_fit(p["model_path"], memory_config(p), p["device"], p["dtype"], p["fps"],
+                        p["frames_per_chunk"])
             memory = StreamingMemory(load_model(p["model_path"], p["device"], p["dtype"]),
                                      memory_config(p))
         except Exception as error:  # any failure to load, with its reason

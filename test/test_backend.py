@@ -2,6 +2,7 @@
 per-instance kernels, and the sliced evidence attention equal to eager attention's weights."""
 
 import copy
+import functools
 import inspect
 import re
 from pathlib import Path
@@ -218,3 +219,89 @@ def test_a_reset_moves_the_new_cache_s_states_into_the_buffers(tiny_model):
     assert memory.backend._buffers is not old
     fresh = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     assert feed(fresh, range(1))[0].layer_drift == first.layer_drift
+
+
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    """Recording stand-ins for the gated delta kernels transformers binds when fla imports:
+    each records its call and runs transformers' torch reference (what fla's kernels compute),
+    and fla counts as importable. The backend's cached forwards are rebuilt around them, and
+    again afterwards."""
+    calls: list[str] = []
+
+    def stand_in(name: str):
+        reference = inspect.unwrap(getattr(modeling_qwen3_5, name))
+
+        @functools.wraps(reference)  # __wrapped__, as transformers' own wrappers have
+        def kernel(*args, **kwargs):
+            calls.append(name)
+            return reference(*args, **kwargs)
+        return kernel
+
+    for name in backend.KERNEL_NAMES:
+        monkeypatch.setattr(modeling_qwen3_5, name, stand_in(name))
+    monkeypatch.setattr(backend, "fla_available", lambda: True)
+    backend._gated_delta_forward.cache_clear()
+    yield calls
+    backend._gated_delta_forward.cache_clear()
+
+
+def _fresh_model(tiny_model_dir) -> LoadedModel:
+    """A model of its own: kernel routing is per module instance, and the session's tiny model
+    is shared by other tests."""
+    from deltas_ros.model import load_model
+
+    return load_model(tiny_model_dir, "cpu")
+
+
+def test_a_cuda_backend_routes_prefill_decode_and_recording_through_fla(tiny_model_dir,
+                                                                         stand_in_kernels):
+    """Without a GPU: the routing a CUDA-configured backend chooses (fla's bindings) sends
+    chunked prefill, one-token decoding and the write-strength recording through the kernels
+    transformers bound; the CPU routing uses the torch references even with fla importable."""
+    chunk, recurrent = backend.KERNEL_NAMES
+    loaded = _fresh_model(tiny_model_dir)
+    memory = StreamingMemory(loaded, MemoryConfig(**TINY_FRAMES))
+    assert not memory.backend.fla_kernels  # on the CPU
+    feed(memory, range(1))
+    memory.ask("What is on the table?")
+    assert stand_in_kernels == []
+    assert backend.select_gated_delta_kernels(loaded.model, torch.device("cuda")) is True
+    layers = len(memory.backend.linear)
+    with torch.inference_mode():
+        memory.backend.prefill_text(torch.tensor([[1, 2, 3]]), torch.arange(3).expand(3, 1, -1))
+        assert stand_in_kernels == [chunk] * layers
+        memory.backend.step(4, 3)
+        assert stand_in_kernels == [chunk] * layers + [recurrent] * layers
+        stand_in_kernels.clear()
+        with memory.backend.recording_write_strength() as strengths:
+            memory.backend.prefill_chunk(memory.builder.build(frames_for(2), [2.0, 2.5], 10))
+    assert stand_in_kernels == [chunk] * layers and len(strengths) == layers
+
+
+def test_the_rebuilt_forward_equals_transformers_own_with_the_same_kernels(tiny_model_dir,
+                                                                           stand_in_kernels):
+    """The per-instance forward (the class forward's code over our bindings) computes what
+    Qwen3_5GatedDeltaNet.forward computes through transformers' own module globals, here the
+    stand-ins over the torch references: same hidden states and states, bit for bit, for a
+    multi-token prefill and a one-token step."""
+    rebuilt, original = _fresh_model(tiny_model_dir).model, _fresh_model(tiny_model_dir).model
+    backend.select_gated_delta_kernels(rebuilt, torch.device("cuda"))
+    for module in backend.linear_attention_modules(original):
+        del module.forward  # back to the class's forward and the module's globals
+    text = rebuilt.config.text_config
+    outputs = []
+    for model in (rebuilt, original):
+        cache, calls = DynamicCache(config=text), len(stand_in_kernels)
+        with torch.inference_mode():
+            first = model.model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), cache=cache,
+                                position_ids=torch.arange(5).expand(3, 1, -1), use_cache=True)
+            second = model.model(input_ids=torch.tensor([[10]]), cache=cache,
+                                 position_ids=torch.full((3, 1, 1), 5), use_cache=True)
+        states = [layer.recurrent_states[0].clone() for layer in cache.layers
+                  if hasattr(layer, "recurrent_states")]
+        outputs.append((first.last_hidden_state, second.last_hidden_state, states))
+        assert len(stand_in_kernels) - calls == 2 * len(states)  # both went through them
+    for ours, theirs in zip(outputs[0][:2], outputs[1][:2]):
+        assert torch.equal(ours, theirs)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[0][2], outputs[1][2]))

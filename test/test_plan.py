@@ -1,0 +1,153 @@
+"""Every released dense Qwen3.5 size as a known configuration, and the memory plan: its terms
+against hand-computed values and against the bytes the engine really holds, the command, and
+the node's configure refusing what cannot fit."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import TINY_FRAMES, feed, frames_for
+from transformers import Qwen3_5ForConditionalGeneration
+
+from deltas_ros import cli, params
+from deltas_ros import plan as plan_module
+from deltas_ros.maker import tiny_config
+from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.model import read_config
+from deltas_ros.plan import PlanInputs, make_plan, mib
+from deltas_ros.session import Session
+
+MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
+MIB = 2**20
+# Hand-computed from the published dimensions (README "Memory plan"): layers (linear, full),
+# tied embeddings, parameters, KV bytes per token in bf16 (full layers x K,V x KV heads x
+# head_dim x 2 bytes) and recurrent state bytes (linear layers x value heads x 128 x 128 x 4).
+SIZES = {
+    "qwen3_5_0_8b": (18, 6, True, 852_985_920, 6 * 2 * 2 * 256 * 2, 18 * 16 * 128 * 128 * 4),
+    "qwen3_5_2b": (18, 6, True, 2_213_241_664, 6 * 2 * 2 * 256 * 2, 18 * 16 * 128 * 128 * 4),
+    "qwen3_5_4b": (24, 8, True, 4_539_265_536, 8 * 2 * 4 * 256 * 2, 24 * 32 * 128 * 128 * 4),
+    "qwen3_5_9b": (24, 8, False, 9_409_813_744, 8 * 2 * 4 * 256 * 2, 24 * 32 * 128 * 128 * 4),
+}
+
+
+def expected_parameters(config: dict) -> int:
+    """Parameters of a Qwen3.5 from its config.json, term by term (no bias but the vision
+    tower's): the text model's embeddings (and output layer unless tied), per layer two norms
+    and a SwiGLU MLP, a gated attention (q and its gate, k, v, o, q/k norms) or a Gated
+    DeltaNet (qkv, z, b, a projections, conv, dt_bias, A_log, gated norm, out); the vision
+    tower's patch conv, position table, blocks and 2x2 merger."""
+    t, v = config["text_config"], config["vision_config"]
+    h, i, heads, kv, d = (t["hidden_size"], t["intermediate_size"], t["num_attention_heads"],
+                          t["num_key_value_heads"], t["head_dim"])
+    hk, hv, dk, dv = (t["linear_num_key_heads"], t["linear_num_value_heads"],
+                      t["linear_key_head_dim"], t["linear_value_head_dim"])
+    conv = 2 * hk * dk + hv * dv
+    attention = h * heads * d * 2 + 2 * h * kv * d + heads * d * h + 2 * d
+    deltanet = (h * conv + h * hv * dv + 2 * h * hv + conv * t["linear_conv_kernel_dim"]
+                + 2 * hv + dv + hv * dv * h)
+    text = t["vocab_size"] * h * (1 if config["tie_word_embeddings"] else 2) + h
+    text += sum(2 * h + 3 * h * i + (attention if kind == "full_attention" else deltanet)
+                for kind in t["layer_types"])
+    w, wi, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
+    block = 4 * w + 4 * w * w + 4 * w + 2 * w * wi + wi + w
+    patch = 3 * v["temporal_patch_size"] * v["patch_size"] ** 2 * w + w
+    merger = 2 * w + 16 * w * w + 4 * w + 4 * w * out + out
+    return text + patch + v["num_position_embeddings"] * w + v["depth"] * block + merger
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_each_released_size_has_its_published_dimensions(name):
+    linear, full, tied, parameters, kv_per_token, states = SIZES[name]
+    raw = json.loads((MODELS / f"{name}.json").read_text())
+    config = read_config(MODELS / f"{name}.json")
+    with torch.device("meta"):
+        model = Qwen3_5ForConditionalGeneration(config)
+    assert sum(p.numel() for p in model.parameters()) == parameters == expected_parameters(raw)
+    kinds = config.text_config.layer_types
+    assert (kinds.count("linear_attention"), kinds.count("full_attention")) == (linear, full)
+    assert all((kind == "full_attention") == (i % 4 == 3) for i, kind in enumerate(kinds))
+    assert config.tie_word_embeddings is tied
+    assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) is tied
+    plan = make_plan(config, PlanInputs(), torch.device("cpu"), torch.bfloat16, available=0)
+    assert plan.kv_bytes_per_token == kv_per_token and plan.state_bytes == states
+    assert plan.weights_bytes == 2 * parameters and not plan.fits
+
+
+def run_cli(*args: str | Path) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main([str(a) for a in args])
+    return code, out.getvalue()
+
+
+def test_plan_command_gives_the_9b_kv_cache_and_states():
+    code, out = run_cli("plan", "--json", "--config", MODELS / "qwen3_5_9b.json",
+                        "--budget", "8192", "--dtype", "bfloat16", "--available-gib", "80")
+    plan = json.loads(out)
+    assert code == 0 and plan["fits"] is True
+    assert plan["kv_bytes"] == 256 * MIB == 8192 * 8 * 2 * 4 * 256 * 2
+    assert plan["state_bytes"] == 24 * 32 * 128 * 128 * 4 == 48 * MIB
+    assert plan["tokens_per_chunk"] == 88 + plan_module.CHUNK_TEXT_TOKENS  # 640x480 at 320x320
+    assert plan["peak_bytes"] > plan["weights_bytes"] + plan["kv_bytes"] + plan["state_bytes"]
+    code, out = run_cli("plan", "--config", MODELS / "qwen3_5_9b.json", "--dtype", "bfloat16",
+                        "--device", "cuda", "--available-gib", "16")
+    assert code == 1 and "does NOT fit" in out and "KV cache" in out
+    code, out = run_cli("plan", "--markdown", "--config", *sorted(MODELS.glob("*.json")),
+                        "--budget", "8192", "16384", "--dtype", "bfloat16", "--available-gib",
+                        "16")
+    rows = out.strip().splitlines()[2:]
+    assert code == 1 and len(rows) == 8  # the 9B does not fit in 16 GiB
+    assert rows[-1].startswith("| qwen3_5_9b | 9.41 B | 16384 |") and "| no (16.00 GiB) |" in out
+
+
+def test_the_plan_counts_what_the_engine_holds(tiny_model):
+    """KV cache, states and their snapshot buffers as the backend really allocates them, after
+    a stream that filled M; the plan's video tokens as the chunk builder makes them."""
+    config = MemoryConfig(budget_tokens=150, window_tokens=40, **TINY_FRAMES)
+    memory = StreamingMemory(tiny_model, config)
+    feed(memory, range(12))
+    assert memory.kv_tokens == config.budget_tokens
+    inputs = PlanInputs(budget_tokens=config.budget_tokens, pixel_budget=config.pixel_budget,
+                        frame=frames_for(0)[0].shape[:2])
+    plan = make_plan(tiny_model.model.config, inputs, torch.device("cpu"), torch.float32,
+                     available=2**40)
+    kv, states = memory.backend.nbytes()
+    assert (plan.kv_bytes, plan.state_bytes + plan.conv_state_bytes) == (kv, states)
+    buffers = sum(b.nbytes for b in memory.backend._buffers.buffers)
+    assert buffers == 3 * states == states + plan.snapshot_bytes
+    chunk = memory.builder.build(frames_for(0), [0.0, 0.5], 0)
+    video = int((chunk.input_ids == tiny_model.model.config.video_token_id).sum())
+    assert plan.video_tokens_per_chunk == video
+    assert plan.parameters == sum(p.numel() for p in tiny_model.model.parameters())
+
+
+def test_configure_refuses_a_model_that_cannot_fit_with_the_plan_s_figures(
+        tiny_model_dir, tmp_path, monkeypatch):
+    values = params.defaults() | {"model_path": str(tiny_model_dir), "memory_dir": str(tmp_path),
+                                  "device": "cpu", "budget_tokens": 4096}
+    monkeypatch.setattr(plan_module, "available_bytes", lambda device: 4 * MIB)
+    session = Session.configure(values)
+    with pytest.raises(RuntimeError, match="do not fit on cpu") as refused:
+        session.open_memory()
+    message = str(refused.value)
+    plan = plan_module.plan_for_path(tiny_model_dir, PlanInputs(budget_tokens=4096),
+                                     torch.device("cpu"), torch.float32, available=4 * MIB)
+    figures = [f"need {mib(plan.peak_bytes)}", "4 MiB is available", "M = 4096",
+               f"weights {mib(plan.weights_bytes)}", f"KV cache {mib(plan.kv_bytes)}"]
+    assert all(figure in message for figure in figures), message
+    monkeypatch.setattr(plan_module, "available_bytes", lambda device: 2**40)
+    memory, problem = session.open_memory()
+    assert problem == "" and memory.config.budget_tokens == 4096
+
+
+def test_frame_sizes_are_width_by_height():
+    assert cli.parse_frame("640x480") == (480, 640)
+    with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
+        cli.parse_frame("640")
+    assert make_plan(tiny_config(), PlanInputs(frame=(480, 640)), torch.device("cpu"),
+                     torch.float32, available=0).video_tokens_per_chunk == 88
