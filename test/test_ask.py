@@ -81,14 +81,14 @@ def test_tokens_stream_and_cancel_stops_within_one_token(memory):
     before = frozen(memory)
     streamed: list[tuple[str, int]] = []
     full = memory.ask("What is on the table?", max_new_tokens=6,
-                      on_token=lambda text, n: streamed.append((text, n)))
+                      on_token=lambda text, n, _reasoning: streamed.append((text, n)))
     assert [n for _, n in streamed] == list(range(1, full.generated_tokens + 1))
     assert streamed[-1][0] == full.text and not full.cancelled
     assert full.generated_tokens >= 3  # a random model rarely ends its turn at once
 
     seen: list[int] = []
     cancelled = memory.ask("What is on the table?", max_new_tokens=6,
-                           on_token=lambda text, n: seen.append(n),
+                           on_token=lambda text, n, _reasoning: seen.append(n),
                            cancelled=lambda: len(seen) >= 2)
     assert cancelled.cancelled and cancelled.generated_tokens == 2 and seen == [1, 2]
     assert full.text.startswith(cancelled.text)
@@ -98,7 +98,7 @@ def test_tokens_stream_and_cancel_stops_within_one_token(memory):
 def test_a_failing_callback_rolls_the_question_back(memory):
     before = frozen(memory)
 
-    def explode(text: str, n: int) -> None:
+    def explode(text: str, n: int, reasoning: str) -> None:
         raise RuntimeError("subscriber went away")
 
     with pytest.raises(Exception, match="subscriber went away"):
