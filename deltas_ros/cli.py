@@ -4,7 +4,7 @@
     deltas-ros make-model --config qwen3_5_9b_config.json OUT_DIR [--shards N]
     deltas-ros synth OUT_BAG [--duration 30] [--fps 30] [--width 640] [--height 480]
                      [--encoding rgb8|jpeg] [--storage mcap|sqlite3] [--topic T] [--seed 0]
-                     [--scenes]
+                     [--scenes | --busy]
     deltas-ros replay BAG [--rate 1.0] [--loop] [--max-loops N] [--clock] [--topic T ...]
                       [--best-effort]
     deltas-ros run BAG_OR_VIDEO [--model DIR] [--out results.jsonl] [--policy deltas]
@@ -47,7 +47,7 @@ def make_model_command(args: argparse.Namespace) -> int:
 def synth_command(args: argparse.Namespace) -> int:
     """Write a generated camera stream with known events as a rosbag2 (plus events.json)."""
     from .bag import load_events
-    from .synth import SceneOptions, write_synth_bag
+    from .synth import BUSY, SceneOptions, write_synth_bag
 
     out = write_synth_bag(
         args.out_bag,
@@ -59,7 +59,7 @@ def synth_command(args: argparse.Namespace) -> int:
         storage=args.storage,
         topic=args.topic,
         seed=args.seed,
-        scenes=SceneOptions() if args.scenes else None,
+        scenes=BUSY if args.busy else SceneOptions() if args.scenes else None,
     )
     print(f"wrote {out}")
     for event in load_events(out):
@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--scenes", action="store_true",
                        help="a scene stream: shapes the shipped model answers about")
+    synth.add_argument("--busy", action="store_true",
+                       help="a busy scene stream: up to 12 objects sharing shapes and colours")
     synth.set_defaults(run=synth_command)
 
     replay = commands.add_parser("replay", help=replay_command.__doc__)

@@ -1,8 +1,8 @@
 """The questions the shipped scene model knows, their true answers, and how answers are scored.
 
 The forms are an interface (README lists them). Truth comes from a scene stream's events
-(synth.SceneStream: every object has a unique shape and a unique colour). The model writes the
-answer; code here only makes training targets and scores what the model wrote.
+(synth.SceneStream). The model writes the answer; code here only makes training targets and
+scores what the model wrote.
 
     What appeared?                       a red circle and a blue square
     What color was the <shape>?          the circle was red
@@ -11,6 +11,15 @@ answer; code here only makes training targets and scores what the model wrote.
                                          the circle was not seen: no
     When did the <color> <shape> appear? the red circle appeared at 12 seconds  (stream time)
     How many objects appeared?           two
+
+An object is a colour-shape identity: one that comes back into view is still one object. Where
+several objects share the shape or colour asked about (the busy world, synth.BUSY), an answer
+names every one of them in order of first appearance (oldest first):
+
+    What color was the circle?           the circle was red and blue
+    Which shape was red?                 a red circle and a red square
+    Did you see a blue circle?           the circle was red and blue: yes
+    When did the red circle appear?      its first appearance
 
 An answer names what it is about before the fact asked for: the word the fact is looked up by
 is then among the last tokens the model wrote, one attention step from the chunk that shows
@@ -38,9 +47,11 @@ TEMPLATES = {
     "when": "When did the {colour} {shape} appear?",
     "count": "How many objects appeared?",
 }
-NUMBERS = ("zero", "one", "two", "three")
-# Whole words that become single tokens of the scene model's tokenizer.
-DOMAIN_WORDS = (*COLOURS, *SHAPES, "yes", "no", "a", "and", "seconds", *NUMBERS, "What",
+NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+           "eleven", "twelve")
+# Whole words that become single tokens of the scene model's tokenizer. Fixed: their order is
+# the shipped model's vocabulary (so only the numbers up to three are whole tokens).
+DOMAIN_WORDS = (*COLOURS, *SHAPES, "yes", "no", "a", "and", "seconds", *NUMBERS[:4], "What",
                 "appeared", "color", "was", "the", "Which", "shape", "Did", "you", "see", "When",
                 "did", "appear", "How", "many", "objects", "at", "not", "seen")
 TIME_TEXT_PIECES = (" seconds>",)  # the tail of each chunk's "<t seconds>" time text
@@ -57,8 +68,16 @@ class QA:
 
 
 def objects_of(events: list[dict]) -> list[dict]:
-    """The object events, in order of appearance."""
+    """The object events, in order of appearance (one per time in view)."""
     return sorted((e for e in events if e["kind"] == "object"), key=lambda e: e["time"])
+
+
+def identities_of(events: list[dict]) -> list[dict]:
+    """One event per object (colour-shape identity), its first time in view, oldest first."""
+    first: dict[tuple[str, str], dict] = {}
+    for event in objects_of(events):
+        first.setdefault((event["colour"], event["shape"]), event)
+    return list(first.values())
 
 
 def appear_second(event: dict, fps: float = 2.0) -> int:
@@ -68,17 +87,21 @@ def appear_second(event: dict, fps: float = 2.0) -> int:
     return int(first)
 
 
-def describe(objects: list[dict]) -> str:
-    """ "a red circle", "a red circle and a blue square", "a red circle, a ... and a ..." """
-    names = [f"a {o['colour']} {o['shape']}" for o in objects]
+def listing(names: list[str]) -> str:
+    """ "red", "red and blue", "red, blue and green" """
     if len(names) <= 2:
         return " and ".join(names)
     return ", ".join(names[:-1]) + " and " + names[-1]
 
 
+def describe(objects: list[dict]) -> str:
+    """ "a red circle", "a red circle and a blue square", "a red circle, a ... and a ..." """
+    return listing([f"a {o['colour']} {o['shape']}" for o in objects])
+
+
 def answer_for(form: str, events: list[dict], colour: str = "", shape: str = "") -> str:
     """The true answer to a question of `form` about a stream with these events."""
-    objects = objects_of(events)
+    objects = identities_of(events)
     if form == "appeared":
         return describe(objects)
     if form == "count":
@@ -87,16 +110,16 @@ def answer_for(form: str, events: list[dict], colour: str = "", shape: str = "")
         found = [o["colour"] for o in objects if o["shape"] == shape]
         if not found:
             return f"the {shape} was not seen: no"
-        return f"the {shape} was {found[0]}: {'yes' if found[0] == colour else 'no'}"
+        return f"the {shape} was {listing(found)}: {'yes' if colour in found else 'no'}"
     match = [o for o in objects if (not shape or o["shape"] == shape)
              and (not colour or o["colour"] == colour)]
-    if len(match) != 1:
-        raise ValueError(f"{form!r}: {colour} {shape} is not exactly one object of the stream")
-    found = match[0]
+    if not match or (form == "when" and len(match) != 1):
+        raise ValueError(f"{form!r}: no object of the stream is {colour} {shape}".strip())
     if form == "colour":
-        return f"the {found['shape']} was {found['colour']}"
+        return f"the {shape} was {listing([o['colour'] for o in match])}"
     if form == "shape":
-        return f"a {found['colour']} {found['shape']}"
+        return describe(match)
+    found = match[0]
     if form == "when":
         return f"the {found['colour']} {found['shape']} appeared at {appear_second(found)} seconds"
     raise ValueError(f"unknown question form {form!r}; choose one of {', '.join(FORMS)}")
@@ -107,7 +130,7 @@ def make_question(form: str, events: list[dict], rng: np.random.Generator,
     """A question of `form` about the stream (about `about` when it names an object, else a
     random one); "seen" asks about a seen object or, half the time, an unseen pair that shares
     its shape or its colour (the hard negative) or neither."""
-    objects = objects_of(events)
+    objects = identities_of(events)
     target = about or objects[int(rng.integers(len(objects)))]
     colour, shape = target["colour"], target["shape"]
     if form == "seen" and about is None and rng.random() < 0.5:

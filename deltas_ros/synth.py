@@ -242,21 +242,30 @@ def write_synth_bag(
 
 # ----------------------------------------------------------------------------- scene streams
 # Streams for training and evaluating a model that answers about what it saw: saturated shapes
-# of distinct shapes and colours appear, move and leave over a textured, noisy, jittering view,
-# with dull distractors (never counted as objects) and scene cuts. Each object's shape and colour
-# are unique within a stream, so every question about "the circle" or "the red one" has one answer.
+# appear, move and leave over a textured, noisy, jittering view, with dull distractors (never
+# counted as objects) and scene cuts. By default each object's shape and colour are unique within
+# a stream, so every question about "the circle" or "the red one" has one answer. The busy world
+# (`BUSY`, opt-in) has up to 12 objects out of the 24 colour-shape identities, sharing shapes and
+# colours, some coming back into view later; an identity is still one object of the stream.
 
 
 @dataclass(frozen=True)
 class SceneOptions:
     """What a scene stream may contain (counts are drawn uniformly from the ranges).
 
-    objects:      (min, max) objects; at most len(SHAPES), one of each shape at most
-    visible_s:    (min, max) seconds an object stays in view
+    objects:      (min, max) objects; at most len(SHAPES), one of each shape at most, unless
+                  shared
+    visible_s:    (min, max) seconds an object stays in view (each time it is in view)
     jitter:       camera shake amplitude as a fraction of the frame width
     cuts:         (min, max) scene cuts (a new background from then on)
     distractors:  (min, max) dull grey blobs drifting through (not objects)
     overlap:      whether objects may be in view at the same time
+    shared:       objects may share a shape or a colour (each still a distinct colour-shape pair,
+                  up to len(COLOURS) * len(SHAPES) objects)
+    reappear:     probability that an object comes back into view once more, later
+
+    shared or reappear draws the stream another way (`SceneStream._busy_objects`); without
+    them a seed gives the streams it always gave.
     """
 
     objects: tuple[int, int] = (1, 3)
@@ -265,14 +274,30 @@ class SceneOptions:
     cuts: tuple[int, int] = (0, 1)
     distractors: tuple[int, int] = (0, 1)
     overlap: bool = False
+    shared: bool = False
+    reappear: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.objects[0] <= self.objects[1] <= len(SHAPES):
-            raise ValueError(f"objects must be within 1..{len(SHAPES)}, got {self.objects}")
+        most = len(COLOURS) * len(SHAPES) if self.shared else len(SHAPES)
+        if not 1 <= self.objects[0] <= self.objects[1] <= most:
+            raise ValueError(f"objects must be within 1..{most}, got {self.objects}")
         if not 0 < self.visible_s[0] <= self.visible_s[1]:
             raise ValueError(f"visible_s must be positive and ordered, got {self.visible_s}")
         if min(*self.cuts, *self.distractors) < 0 or self.jitter < 0:
             raise ValueError("cuts, distractors and jitter must be >= 0")
+        if not 0 <= self.reappear <= 1:
+            raise ValueError(f"reappear must be a probability, got {self.reappear}")
+
+    @property
+    def busy(self) -> bool:
+        return self.shared or self.reappear > 0
+
+
+# The busy world: 1-12 of the 24 colour-shape identities a stream, shapes and colours shared,
+# a third of them back in view later, more cuts and distractors. Long streams then have long
+# quiet stretches between objects (the free time is split at random points).
+BUSY = SceneOptions(objects=(1, 12), cuts=(0, 3), distractors=(0, 6), shared=True,
+                    reappear=0.33)
 
 
 @dataclass(frozen=True)
@@ -309,12 +334,16 @@ class SceneStream:
         self.duration_s, self.width, self.height = duration_s, width, height
         self.options = options
         count = int(rng.integers(options.objects[0], options.objects[1] + 1))
-        shapes = rng.permutation(SHAPES)[:count]
-        colours = rng.permutation(list(COLOURS))[:count]
-        spans = self._spans(rng, count, duration_s, options)
-        self.objects = [self._mover(rng, str(s), COLOURS[str(c)], t0, t1)
-                        for s, c, (t0, t1) in zip(shapes, colours, spans)]
-        self.labels = [(str(c), str(s)) for s, c in zip(shapes, colours)]
+        if options.busy:
+            self.labels = self._busy_objects(rng, count, options)
+        else:
+            shapes = rng.permutation(SHAPES)[:count]
+            colours = rng.permutation(list(COLOURS))[:count]
+            self.labels = [(str(c), str(s)) for s, c in zip(shapes, colours)]
+        # One mover per time in view: a reappearing object has a label (and a mover) per visit.
+        spans = self._spans(rng, len(self.labels), duration_s, options)
+        self.objects = [self._mover(rng, s, COLOURS[c], t0, t1)
+                        for (c, s), (t0, t1) in zip(self.labels, spans)]
         self.distractors = []
         for _ in range(int(rng.integers(options.distractors[0], options.distractors[1] + 1))):
             t0 = round(float(rng.uniform(0, max(duration_s - 1.0, 0.1))), 3)
@@ -333,6 +362,17 @@ class SceneStream:
         self.jitter_phase = rng.uniform(0, 2 * math.pi, 4)
         self.noise_seed = int(rng.integers(2**31))
         self._cache: dict[int, np.ndarray] = {}
+
+    @staticmethod
+    def _busy_objects(rng: np.random.Generator, count: int,
+                      options: SceneOptions) -> list[tuple[str, str]]:
+        """(colour, shape) per time in view, in order: `count` distinct identities (shapes
+        and colours shared), each shown once more with probability `reappear`; the visits are
+        shuffled, so a second visit may come right after the first or minutes later."""
+        identities = [(c, s) for c in COLOURS for s in SHAPES]
+        picked = [identities[i] for i in rng.choice(len(identities), count, replace=False)]
+        visits = picked + [o for o in picked if rng.random() < options.reappear]
+        return [visits[i] for i in rng.permutation(len(visits))]
 
     @staticmethod
     def _spans(rng: np.random.Generator, count: int, duration: float,
@@ -364,8 +404,9 @@ class SceneStream:
         return _Mover(shape, colour, t0, t1, start, stop, size)
 
     def events(self) -> list[dict]:
-        """Ground truth: objects (appear `time`, leave `end`, `shape`, `colour`), cuts and
-        distractors, sorted by time."""
+        """Ground truth: objects (appear `time`, leave `end`, `shape`, `colour`; one event per
+        time in view, so a reappearing object has several), cuts and distractors, sorted by
+        time."""
         events = [{"time": o.time, "end": o.end, "kind": "object", "label": f"{c} {s}",
                    "shape": s, "colour": c} for o, (c, s) in zip(self.objects, self.labels)]
         events += [{"time": t, "end": t, "kind": "cut", "label": f"cut to a {tint} scene"}

@@ -81,6 +81,7 @@ class Stage:
     advance_at: running accuracy on the target forms that ends the stage early (> 1: never)
     min_steps:  steps in the stage before advance_at is looked at
     forms:      question form weights of this stage (default: the config's)
+    shared, reappear: the busy world's scene options (synth.SceneOptions)
     """
 
     until_step: int
@@ -92,10 +93,13 @@ class Stage:
     advance_at: float = 2.0
     min_steps: int = 100
     forms: dict[str, float] | None = None
+    shared: bool = False
+    reappear: float = 0.0
 
     def options(self) -> SceneOptions:
         return SceneOptions(objects=tuple(self.objects), cuts=tuple(self.cuts),
-                            distractors=tuple(self.distractors), overlap=self.overlap)
+                            distractors=tuple(self.distractors), overlap=self.overlap,
+                            shared=self.shared, reappear=self.reappear)
 
 
 @dataclass
@@ -170,6 +174,10 @@ class TrainConfig:
     vision: dict[str, Any] = field(default_factory=dict)  # overrides of maker.TINY_VISION
     stages: list[Stage] = field(default_factory=lambda: [Stage(10**9)])
     vision_pretrain: VisionPretrain = field(default_factory=VisionPretrain)
+    # A model directory (`export_model`'s) whose weights the run starts from instead of a fresh
+    # initialization: same sizes and the same tokenizer. Relative paths are from the package's
+    # parent ("deltas_ros/models/scenes-tiny" is the shipped model wherever one runs).
+    init: str = ""
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
@@ -216,8 +224,30 @@ def scene_tokenizer():
 
 def new_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     """maker.tiny_config's layout (Gated DeltaNet + full attention 3:1) at the config's sizes,
-    with room for the scene tokenizer's added words."""
-    return init_model(tiny_config(cfg.text, cfg.vision, len(tokenizer)), cfg.seed)
+    with room for the scene tokenizer's added words; with `cfg.init`, that model's weights."""
+    model = init_model(tiny_config(cfg.text, cfg.vision, len(tokenizer)), cfg.seed)
+    if cfg.init:
+        load_init(model, tokenizer, init_path(cfg.init))
+    return model
+
+
+def init_path(init: str) -> Path:
+    """`init` as given if it exists, else relative to the package's parent directory."""
+    path = Path(init)
+    return path if path.exists() or path.is_absolute() else Path(__file__).parents[1] / path
+
+
+def load_init(model: torch.nn.Module, tokenizer, path: Path) -> None:
+    """Copy an exported model's weights into `model` (all of them, same shapes), refusing one
+    whose tokenizer differs: its word ids would mean other words here."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"{path}: its tokenizer is not the scene tokenizer")
+    source = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True,
+                                                         dtype=torch.float32)
+    model.load_state_dict(source.state_dict())
 
 
 def export_model(model, tokenizer, out_dir: str | Path, pixel_budget: int,

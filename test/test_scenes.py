@@ -3,6 +3,10 @@ promise, scoring that accepts what is right and only that."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -12,11 +16,13 @@ from deltas_ros.questions import (
     TEMPLATES,
     answer_for,
     appear_second,
+    identities_of,
     is_correct,
     make_question,
+    objects_of,
     sample_questions,
 )
-from deltas_ros.synth import COLOURS, SHAPES, SceneOptions, SceneStream, scene_stream
+from deltas_ros.synth import BUSY, COLOURS, SHAPES, SceneOptions, SceneStream, scene_stream
 from deltas_ros.train import scene_tokenizer
 
 OPTIONS = SceneOptions(objects=(3, 3), cuts=(1, 1), distractors=(1, 2))
@@ -114,3 +120,88 @@ def test_domain_words_are_single_tokens():
     assert tokenizer.decode(time_text) == "<12.2 seconds>"
     assert tokenizer.decode(tokenizer.encode("a red circle", add_special_tokens=False)) \
         == "a red circle"
+
+
+def _fingerprint(seed: int, options: SceneOptions, seconds: int = 20) -> str:
+    stream = SceneStream(seconds, 128, 96, seed, options)
+    digest = hashlib.sha256(json.dumps(stream.events(), sort_keys=True).encode())
+    for k in range(0, 2 * seconds, 3):
+        digest.update(stream.frame(k / 2, k).tobytes())
+    return digest.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("options, expected", [
+    (SceneOptions(), ["93ce1bc3856df363", "e4225ef5e1d72f69", "c3bed14709210732"]),
+    (SceneOptions(objects=(3, 3), cuts=(1, 1), distractors=(1, 2), overlap=True),
+     ["1aae521944a87235", "64338803b5c0ee6b", "b05b7c2b65fbe42f"]),
+])
+def test_todays_scene_streams_are_unchanged(options, expected):
+    """The shipped model was trained and evaluated on these: the busy world must not move a
+    pixel or an event of them (digests taken before it existed)."""
+    assert [_fingerprint(seed, options) for seed in (0, 1, 1_000_123)] == expected
+
+
+def test_busy_streams_share_shapes_and_colours_and_come_back():
+    """Over many seeds: all 24 identities occur, 1-12 objects a stream, shapes and colours
+    shared within a stream, objects back in view later (after a gap), quiet stretches; an
+    identity is one object of its stream, and the same seed gives the same stream."""
+    identities, counts, shared_shape, shared_colour, back, quiet = set(), set(), 0, 0, 0, 0.0
+    for seed in range(40):
+        stream = SceneStream(120, 64, 48, seed, BUSY)
+        events = stream.events()
+        objects = identities_of(events)
+        pairs = [(o["colour"], o["shape"]) for o in objects]
+        assert len(set(pairs)) == len(pairs)
+        identities |= set(pairs)
+        counts.add(len(objects))
+        shared_shape += len({s for _, s in pairs}) < len(pairs)
+        shared_colour += len({c for c, _ in pairs}) < len(pairs)
+        visits = objects_of(events)
+        back += len(visits) > len(objects)
+        spans = sorted((v["time"], v["end"]) for v in visits)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        quiet = max(quiet, *(b - a for (_, a), (b, _) in zip(spans, spans[1:])), 0.0)
+        assert stream.events() == SceneStream(120, 64, 48, seed, BUSY).events()
+    assert len(identities) == len(COLOURS) * len(SHAPES) == 24
+    assert min(counts) >= 1 and max(counts) == 12 and len(counts) >= 8
+    assert shared_shape >= 20 and shared_colour >= 10 and back >= 20
+    assert quiet > 30  # seconds without an object
+    a, b = SceneStream(30, 64, 48, 3, BUSY), SceneStream(30, 64, 48, 3, BUSY)
+    assert np.array_equal(a.frame(7.5, 15), b.frame(7.5, 15))
+    with pytest.raises(ValueError):
+        SceneOptions(objects=(1, 4))  # four objects need shared shapes
+    assert replace(BUSY, objects=(24, 24)).objects == (24, 24)
+
+
+def test_busy_answers_name_every_object_of_the_shape_oldest_first():
+    def obj(time, colour, shape):
+        return {"kind": "object", "time": time, "end": time + 2, "shape": shape,
+                "colour": colour}
+
+    events = [obj(2.2, "red", "circle"), obj(9.0, "blue", "circle"), obj(20, "red", "square"),
+              obj(30, "green", "circle"), obj(40, "red", "circle")]  # the red circle again
+    assert answer_for("colour", events, shape="circle") == "the circle was red, blue and green"
+    assert answer_for("colour", events, shape="square") == "the square was red"
+    assert answer_for("shape", events, colour="red") == "a red circle and a red square"
+    assert answer_for("seen", events, "blue", "circle") == \
+        "the circle was red, blue and green: yes"
+    assert answer_for("seen", events, "white", "circle") == \
+        "the circle was red, blue and green: no"
+    assert answer_for("seen", events, "red", "triangle") == "the triangle was not seen: no"
+    assert answer_for("when", events, "red", "circle") == \
+        "the red circle appeared at 2 seconds"  # its first appearance
+    assert answer_for("appeared", events) == \
+        "a red circle, a blue circle, a red square and a green circle"
+    assert answer_for("count", events) == "four"
+    colour = QA("colour", "What color was the circle?", "the circle was red, blue and green")
+    assert is_correct(colour, "the circle was red, blue and green")
+    assert not is_correct(colour, "the circle was blue, red and green")  # oldest first
+    assert not is_correct(colour, "the circle was red and blue")
+    shape = QA("shape", "Which shape was red?", "a red circle and a red square")
+    assert is_correct(shape, "a red circle and a red square")
+    assert not is_correct(shape, "a red circle")
+    rng = np.random.default_rng(1)
+    for _ in range(50):  # the questions keep their wording; every one has an answer
+        qa = make_question(str(rng.choice(FORMS)), events, rng)
+        assert qa.question in {TEMPLATES[qa.form].format(colour=c, shape=s)
+                               for c in COLOURS for s in SHAPES}

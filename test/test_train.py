@@ -139,3 +139,28 @@ def test_train_checkpoint_export_and_resume(tmp_path):
     loaded = load_model(exported, "cpu")
     assert resolve_pixel_budget(0, exported) == TINY["pixel_budget"]
     assert loaded.model.config.text_config.layer_types.count("full_attention") == 2
+
+
+def test_busy_config_continues_the_shipped_model_and_resumes(tmp_path):
+    """config/train_busy.yaml loads, starts from the shipped model's weights (not a fresh
+    initialization) on busy streams, and two steps resumed for a third equal three straight."""
+    from deltas_ros.model import SHIPPED_MODEL
+
+    root = Path(__file__).parents[1]
+    short = [replace(s, seconds=(2, 3)) for s in
+             TrainConfig.from_file(root / "config/train_busy.yaml").stages]
+    cfg = TrainConfig.from_file(root / "config/train_busy.yaml", batch=2, questions=2,
+                                validation_streams=2, validation_seconds=3)
+    assert all(s.options().busy for s in short) and cfg.vision_pretrain.steps == 0
+    cfg = replace(cfg, stages=short)
+    shipped = load_model(SHIPPED_MODEL, "cpu").model.state_dict()
+    straight = Trainer(replace(cfg, max_steps=3), tmp_path / "straight")
+    for name, weights in straight.model.state_dict().items():
+        torch.testing.assert_close(weights, shipped[name], msg=name)
+    straight.run()
+    Trainer(replace(cfg, max_steps=2), tmp_path / "resumed").run()
+    resumed = Trainer(replace(cfg, max_steps=3), tmp_path / "resumed", resume=True)
+    resumed.run()
+    for (name, a), b in zip(straight.model.state_dict().items(),
+                            resumed.model.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)

@@ -1,0 +1,182 @@
+"""The busy world with full memory: does the model tell many objects apart over minutes?
+
+Why: the sparse streams of bench/answers.py (at most three objects of distinct shapes) saturate;
+a robot sees many things, of the same kinds, some again and again. Before any retention policy
+can be judged there, the model must answer with everything kept.
+
+How: held-out busy streams (synth.BUSY with a fixed object count; seeds below
+train.VALIDATION_SEEDS, never used in training or model selection) of each --settings
+OBJECTS:SECONDS (default 8 objects in 120 s and 12 in 300 s) run through `StreamingMemory`
+chunk by chunk with no eviction, then are asked, per stream:
+- "Did you see a <colour> <shape>?" about every object (seen: shown, the truth is yes) and, per
+  object, about a pair that was never shown, sharing its shape or colour when one is left
+  (seen: never shown, the truth is no); scored by the verdict;
+- "What color was the <shape>?" for every shape in the stream and "Which shape was <colour>?"
+  for every colour, reported apart where one object has it (unique) and where several do
+  (shared: all of them, oldest first).
+Answers are the model's greedy words, scored by questions.is_correct; 95 % Wilson intervals.
+
+    python -m bench.busy --streams 8 --out bench/results/busy
+    python -m bench.busy --model OUT/model --streams 8 --out OUT/busy   # a training's export
+
+Honest limits: the question forms and scoring are the ones the model was trained on; a few
+streams per setting give wide intervals (read them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.model import LoadedModel, load_model, resolve_model_path, resolve_pixel_budget
+from deltas_ros.questions import QA, TEMPLATES, answer_for, identities_of, is_correct
+from deltas_ros.synth import BUSY, COLOURS, SHAPES, SceneStream
+from deltas_ros.train import VALIDATION_SEEDS, sampled_chunks
+
+from .answers import wilson
+from .common import add_out_arg, finish, md_table, start_results
+
+KINDS = ("seen: shown", "seen: never shown", "colour: unique", "shape: unique",
+         "colour: shared", "shape: shared")
+NEAR_NEGATIVE = 0.7  # share of negatives that share the shape or colour of a shown object
+
+
+def busy_questions(events: list[dict], seed: int) -> list[tuple[str, QA]]:
+    """(kind, question) about one stream, as the module docstring lists them."""
+    rng = np.random.default_rng((seed, 13))
+    objects = identities_of(events)
+    shown = {(o["colour"], o["shape"]) for o in objects}
+    unseen = [(c, s) for c in COLOURS for s in SHAPES if (c, s) not in shown]
+    out: list[tuple[str, QA]] = []
+    for colour, shape in sorted(shown, key=lambda p: (SHAPES.index(p[1]), p[0])):
+        out.append(("seen: shown", _qa("seen", events, colour, shape)))
+    negatives = []
+    for obj in objects:
+        near = [p for p in unseen if p not in negatives
+                and (p[0] == obj["colour"] or p[1] == obj["shape"])]
+        rest = [p for p in unseen if p not in negatives]
+        pool = near if near and rng.random() < NEAR_NEGATIVE else rest
+        if pool:
+            negatives.append(pool[int(rng.integers(len(pool)))])
+    out += [("seen: never shown", _qa("seen", events, c, s)) for c, s in negatives]
+    for shape in sorted({s for _, s in shown}, key=SHAPES.index):
+        many = sum(s == shape for _, s in shown) > 1
+        out.append((f"colour: {'shared' if many else 'unique'}", _qa("colour", events, "", shape)))
+    for colour in sorted({c for c, _ in shown}, key=list(COLOURS).index):
+        many = sum(c == colour for c, _ in shown) > 1
+        out.append((f"shape: {'shared' if many else 'unique'}", _qa("shape", events, colour, "")))
+    return out
+
+
+def _qa(form: str, events: list[dict], colour: str, shape: str) -> QA:
+    question = TEMPLATES[form].format(colour=colour, shape=shape)
+    return QA(form, question, answer_for(form, events, colour=colour, shape=shape))
+
+
+def parse_setting(text: str) -> tuple[int, int]:
+    """ "8:120" -> (8 objects, 120 seconds)"""
+    objects, seconds = (int(v) for v in text.split(":"))
+    return objects, seconds
+
+
+def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
+    pixel_budget = resolve_pixel_budget(args.pixel_budget, loaded.path)
+    config = MemoryConfig(budget_tokens=10**8, pixel_budget=pixel_budget,
+                          max_new_tokens=args.max_new_tokens, evidence_candidates=0)
+    with records_path.open("a") as out:
+        for objects, seconds in map(parse_setting, args.settings):
+            options = replace(BUSY, objects=(objects, objects))
+            for seed in range(args.first_seed, args.first_seed + args.streams):
+                if seed >= VALIDATION_SEEDS:
+                    raise ValueError("evaluation seeds must stay below the validation seeds")
+                started = time.perf_counter()
+                scene = SceneStream(seconds, args.width, args.height, seed, options)
+                memory = StreamingMemory(loaded, config)
+                for frames, times in sampled_chunks(scene):
+                    memory.add_chunk(frames, times)
+                asked = busy_questions(scene.events(), seed)
+                right = 0
+                for kind, qa in asked:
+                    text = memory.ask(qa.question).text
+                    correct = is_correct(qa, text)
+                    right += correct
+                    out.write(json.dumps({
+                        "setting": f"{objects}:{seconds}", "seed": seed, "kind": kind,
+                        "question": qa.question, "truth": qa.answer, "answer": text,
+                        "correct": correct}) + "\n")
+                out.flush()
+                print(f"{objects} objects {seconds} s seed {seed}: {right}/{len(asked)} "
+                      f"({time.perf_counter() - started:.1f} s)", flush=True)
+
+
+def aggregate(records: list[dict]) -> dict[str, dict[str, list[int]]]:
+    """{setting: {kind: [hits, n]}}"""
+    table: dict[str, dict[str, list[int]]] = {}
+    for r in records:
+        hits = table.setdefault(r["setting"], {}).setdefault(r["kind"], [0, 0])
+        hits[0] += bool(r["correct"])
+        hits[1] += 1
+    return table
+
+
+def _cell(hits: list[int] | None) -> str:
+    if not hits:
+        return "-"
+    lo, hi = wilson(*hits)
+    return f"{100 * hits[0] / hits[1]:.0f} ({100 * lo:.0f}-{100 * hi:.0f}, n={hits[1]})"
+
+
+def report(table: dict[str, dict[str, list[int]]], records: list[dict]) -> str:
+    settings = sorted(table, key=lambda s: tuple(map(int, s.split(":"))))
+    streams = {s: len({r["seed"] for r in records if r["setting"] == s}) for s in settings}
+    headers = ["question"] + [f"{s.split(':')[0]} objects, {s.split(':')[1]} s "
+                              f"({streams[s]} streams)" for s in settings]
+    rows = [[kind] + [_cell(table[s].get(kind)) for s in settings] for kind in KINDS]
+    return ("Full memory, % correct (95 % Wilson interval, questions):\n\n"
+            + md_table(headers, rows))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory (default: the shipped scene model)")
+    parser.add_argument("--streams", type=int, default=8, help="streams per setting")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--settings", nargs="+", default=["8:120", "12:300"],
+                        help="OBJECTS:SECONDS per setting")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--pixel-budget", type=int, help="default: the model's stored one")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--height", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--records", type=Path, help="answers file (JSON lines) to append to")
+    parser.add_argument("--report", type=Path, nargs="+",
+                        help="only report these answers files (merged)")
+    add_out_arg(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = start_results("busy", argv)
+    model_path = resolve_model_path(args.model)
+    files = args.report or [args.records or args.out / "busy.jsonl"]
+    if not args.report:
+        files[0].parent.mkdir(parents=True, exist_ok=True)
+        evaluate(args, load_model(model_path, "cpu"), files[0])
+    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    table = aggregate(records)
+    results |= {"model": str(model_path), "answers_files": [str(f) for f in files],
+                "table": table}
+    title = f"The busy world with full memory: {model_path.name} on held-out busy streams"
+    return finish(args.out, results, title, report(table, records))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""bench/busy.py: the questions it asks about a busy stream, and a smoke run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import busy
+from deltas_ros.questions import identities_of
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_questions_cover_every_object_and_unseen_pairs():
+    """Every object is asked about (yes), as many pairs never shown (no, none asked twice);
+    colour and shape questions are split by whether one object or several have the shape or
+    colour."""
+    def obj(time, colour, shape):
+        return {"kind": "object", "time": time, "end": time + 2, "shape": shape,
+                "colour": colour}
+
+    events = [obj(1, "red", "circle"), obj(9, "blue", "circle"), obj(20, "red", "square"),
+              obj(30, "red", "circle")]
+    asked = busy.busy_questions(events, 0)
+    kinds = [k for k, _ in asked]
+    assert kinds.count("seen: shown") == kinds.count("seen: never shown") == 3
+    assert all(qa.answer.endswith("yes") for k, qa in asked if k == "seen: shown")
+    negatives = [qa.question for k, qa in asked if k == "seen: never shown"]
+    assert all(qa.answer.endswith("no") for k, qa in asked if k == "seen: never shown")
+    assert len(set(negatives)) == len(negatives)
+    by_question = {qa.question: (k, qa.answer) for k, qa in asked}
+    assert by_question["What color was the circle?"] == \
+        ("colour: shared", "the circle was red and blue")
+    assert by_question["What color was the square?"] == ("colour: unique", "the square was red")
+    assert by_question["Which shape was red?"] == \
+        ("shape: shared", "a red circle and a red square")
+    assert by_question["Which shape was blue?"] == ("shape: unique", "a blue circle")
+    assert busy.busy_questions(events, 0) == asked  # deterministic by seed
+    assert len(identities_of(events)) == 3
+
+
+@pytest.mark.slow  # streams through the shipped model
+def test_busy_bench_runs(tmp_path):
+    busy.main(["--streams", "1", "--settings", "2:6", "--out", str(tmp_path)])
+    table = json.loads((tmp_path / "busy.json").read_text())["table"]
+    assert set(table) == {"2:6"} and "seen: shown" in table["2:6"]
+    records = (tmp_path / "busy.jsonl").read_text().splitlines()
+    assert all({"kind", "answer", "correct"} <= set(json.loads(r)) for r in records)
+    assert "| seen: never shown |" in (tmp_path / "busy.md").read_text()
