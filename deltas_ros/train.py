@@ -52,7 +52,7 @@ from .maker import (
     make_tokenizer,
     tiny_config,
 )
-from .model import MODEL_INFO_FILE
+from .model import MODEL_INFO_FILE, load_model
 from .prompt import ChatLayout
 from .questions import (
     DOMAIN_WORDS,
@@ -240,14 +240,10 @@ def init_path(init: str) -> Path:
 def load_init(model: torch.nn.Module, tokenizer, path: Path) -> None:
     """Copy an exported model's weights into `model` (all of them, same shapes), refusing one
     whose tokenizer differs: its word ids would mean other words here."""
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-    theirs = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if theirs.get_vocab() != tokenizer.get_vocab():
+    source = load_model(path, "cpu", "float32")  # the loader every model goes through
+    if source.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"{path}: its tokenizer is not the scene tokenizer")
-    source = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True,
-                                                         dtype=torch.float32)
-    model.load_state_dict(source.state_dict())
+    model.load_state_dict(source.model.state_dict())
 
 
 def export_model(model, tokenizer, out_dir: str | Path, pixel_budget: int,
