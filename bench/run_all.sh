@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${THREADS:-1}
 out=${OUT:-bench/results}
 logs=$(mktemp -d)
-benchmarks=(engine_overhead node_path bounded_memory ingest end_to_end retention)
+benchmarks=(engine_overhead node_path bounded_memory ingest end_to_end retention real_size)
 for name in "${benchmarks[@]}"; do
   start=$SECONDS
   .venv/bin/python -m "bench.$name" --out "$out" > "$logs/$name.log" 2>&1 \
