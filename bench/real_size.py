@@ -81,6 +81,11 @@ def peak_rss(work: Callable[[], Any]) -> tuple[Any, int | None]:
     return result, None
 
 
+def progress(line: str) -> None:
+    """A line on stderr: a real-size run takes many minutes."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def stream(memory: StreamingMemory, args: argparse.Namespace) -> dict[str, Any]:
     """The chunks through the memory: the engine's timings and the RSS samples."""
     results, samples, start = [], [], None
@@ -95,9 +100,8 @@ def stream(memory: StreamingMemory, args: argparse.Namespace) -> dict[str, Any]:
             gc.collect()
             samples.append({"chunk": index, "kv_tokens": memory.kv_tokens,
                             "rss_bytes": rss_bytes()})
-            print(f"{memory.loaded.dtype}: chunk {index + 1}/{args.chunks}, KV "
-                  f"{memory.kv_tokens}, forward {result.forward_ms:.0f} ms", file=sys.stderr,
-                  flush=True)
+            progress(f"{memory.loaded.dtype}: chunk {index + 1}/{args.chunks}, KV "
+                     f"{memory.kv_tokens}, forward {result.forward_ms:.0f} ms")
     evictions = [r.evict_ms for r in results if r.evicted_tokens]
     forward = median([r.forward_ms for r in results])
     row = {
@@ -131,6 +135,7 @@ def question_round(memory: StreamingMemory, args: argparse.Namespace) -> dict[st
         memory.config = replace(config, evidence_candidates=candidates)
         answer = memory.ask(QUESTION, args.max_new_tokens)
         timings[name], timings["generated_tokens"] = answer.latency_ms, answer.generated_tokens
+        progress(f"{name} {answer.latency_ms:.0f}")
     memory.config = config
     backend, slots = memory.backend, memory.slots
     ids = memory.layout.question_ids(memory.tokenizer, QUESTION)
@@ -154,6 +159,7 @@ def question_round(memory: StreamingMemory, args: argparse.Namespace) -> dict[st
             start = time.perf_counter()
             drops[name], timings[f"{name}_peak_rss_bytes"] = peak_rss(search)
             timings[f"{name}_search_ms"] = (time.perf_counter() - start) * 1e3
+            progress(f"{name} search {timings[f'{name}_search_ms']:.0f} ms")
     if memory.kv_tokens != kv_before:
         raise RuntimeError("an evidence search left the cache changed")
     tokens = len(ids) + len(answer_ids)

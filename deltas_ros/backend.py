@@ -207,19 +207,55 @@ class Backend:
         """log p(answer | question `ids`, the cache without the slots hidden[b]) for each row b
         of hidden (B, T) bool: one teacher-forced forward of batch B of the question and the
         answer at `position`, over the cache as it is (`_BranchCache`: no K/V copy per row, the
-        cache only read; `branch_mask` hides each row's slots from the full-attention layers).
+        cache only read). The full-attention layers see the rows as one row of B*L queries
+        (`folded_attention`), which `branch_mask` keeps each on its own tokens and off its
+        hidden slots: one batch-1 attention over the cache, not B over broadcast copies of it.
         """
         rows, length = hidden.shape[0], len(ids) + len(answer)
         tokens = torch.tensor([ids + answer], device=self.device).expand(rows, -1)
         positions = torch.arange(position, position + length, device=self.device)
-        out = self.model.model.language_model(
-            input_ids=tokens, position_ids=positions.expand(3, rows, -1),
-            attention_mask={"full_attention": branch_mask(hidden.to(self.device), length,
-                                                          self.dtype),
-                            "linear_attention": None},
-            cache=_BranchCache(self.cache, rows, self.model.config.text_config), use_cache=True)
+        mask = branch_mask(hidden.to(self.device), length, self.dtype)
+        with self.folded_attention():
+            out = self.model.model.language_model(
+                input_ids=tokens, position_ids=positions.expand(3, rows, -1),
+                attention_mask={"full_attention": mask, "linear_attention": None},
+                cache=_BranchCache(self.cache, rows, self.model.config.text_config),
+                use_cache=True)
         states = out.last_hidden_state[:, len(ids) - 1:-1]
         return [self.log_prob(states[row:row + 1], answer) for row in range(rows)]
+
+    @contextmanager
+    def folded_attention(self) -> Iterator[None]:
+        """While active, each full-attention layer takes its (B, L, hidden) input as one row
+        (1, B*L, hidden), with its rotary embeddings folded alike, and gives its output back as
+        (B, L, hidden): the projections work per token, so only the attention itself changes,
+        to one batch-1 attention of B*L queries (its mask must be laid out so, `branch_mask`).
+        """
+        shapes: list[torch.Size] = []
+
+        def fold(_module, args, kwargs):
+            hidden = kwargs["hidden_states"]
+            shapes.append(hidden.shape)
+            cos, sin = kwargs["position_embeddings"]
+            return args, kwargs | {
+                "hidden_states": hidden.reshape(1, -1, hidden.shape[-1]),
+                "position_embeddings": (cos.reshape(1, -1, cos.shape[-1]),
+                                        sin.reshape(1, -1, sin.shape[-1]))}
+
+        def unfold(_module, _args, _kwargs, output):
+            out, weights = output
+            return out.view(shapes.pop()), weights
+
+        modules = [m for m in self.model.modules()
+                   if isinstance(m, modeling_qwen3_5.Qwen3_5Attention)]
+        hooks = [h for m in modules for h in (
+            m.register_forward_pre_hook(fold, with_kwargs=True),
+            m.register_forward_hook(unfold, with_kwargs=True))]
+        try:
+            yield
+        finally:
+            for handle in hooks:
+                handle.remove()
 
     def step(self, token: int, position: int) -> torch.Tensor:
         """One decoding step of `token` at `position` (all three rows); returns (1, 1, hidden)."""
@@ -434,14 +470,14 @@ class _BranchCache(DynamicCache):
     cache, batch 1) without writing into it: what lets the evidence search test many candidates
     in one forward, with no copy of the K/V per candidate.
 
-    Full-attention layers: the source's K/V (1, kv_heads, T, head_dim) by reference, then the
-    rows' new K/V folded into the slot axis (`fold_rows`: row b's token j at slot T + b*L + j),
-    so the attention (which broadcasts the batch of 1 to the query's B) makes one concatenation
-    per layer, for all rows; `branch_mask` keeps each row on its own tokens. Linear-attention
-    layers: each row starts from the source's states (the recurrent state copied to the rows
-    of one layer at a time, as fla's kernels read their rows contiguous), in the prefill branch
-    (never the single-token one, which writes the conv state in place). Nothing is stored: each
-    layer's concatenation and final states are freed after the layer.
+    Full-attention layers (under `Backend.folded_attention`): the source's K/V (1, kv_heads, T,
+    head_dim) by reference, then the rows' new K/V, which arrive folded into one row (row b's
+    token j at slot T + b*L + j): one concatenation per layer for all rows; `branch_mask`
+    keeps each row on its own tokens. Linear-attention layers: each row starts from the
+    source's states (the recurrent state copied to the rows of one layer at a time, as fla's
+    kernels read their rows contiguous), in the prefill branch (never the single-token one,
+    which writes the conv state in place). Nothing is stored: each layer's concatenation and
+    final states are freed after the layer.
     """
 
     def __init__(self, source: DynamicCache, rows: int, text_config) -> None:
@@ -470,28 +506,23 @@ class _BranchCache(DynamicCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *_, **__) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.source.layers[layer_idx]
-        return (torch.cat([layer.keys, fold_rows(key_states)], dim=-2),
-                torch.cat([layer.values, fold_rows(value_states)], dim=-2))
-
-
-def fold_rows(states: torch.Tensor) -> torch.Tensor:
-    """(B, heads, L, d) -> (1, heads, B*L, d): the rows' new K or V as slots of one batch row."""
-    rows, heads, length, dim = states.shape
-    return states.transpose(0, 1).reshape(1, heads, rows * length, dim)
+        return (torch.cat([layer.keys, key_states], dim=-2),
+                torch.cat([layer.values, value_states], dim=-2))
 
 
 def branch_mask(hidden: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, L, T + B*L) additive attention mask of a `_BranchCache` forward of L tokens: row
-    b sees the cache slots not in hidden[b] (hidden (B, T) bool) and, causally, its own new
-    tokens (slots T + b*L ..), never another row's. The dtype's lowest value where hidden, as
-    transformers' own masks, so that eager and sdpa attention both take it."""
+    """(1, 1, B*L, T + B*L) additive attention mask of a `_BranchCache` forward of L tokens a
+    row, folded (`Backend.folded_attention`): query b*L + i (row b's token i) sees the cache
+    slots not in hidden[b] (hidden (B, T) bool) and its own row's new tokens up to itself
+    (slots T + b*L .. T + b*L + i), never another row's. The dtype's lowest value where hidden,
+    as transformers' own masks, so that eager and sdpa attention both take it."""
     rows, device = hidden.shape[0], hidden.device
     causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
     own = (torch.eye(rows, dtype=torch.bool, device=device)[:, None, :, None]
            & causal[None, :, None, :]).reshape(rows, tokens, rows * tokens)
     seen = torch.cat([(~hidden)[:, None, :].expand(-1, tokens, -1), own], dim=-1)
     mask = torch.zeros(seen.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
+    return mask.masked_fill_(~seen, torch.finfo(dtype).min).view(1, 1, rows * tokens, -1)
 
 
 def evidence_batch_bytes(text_config, rows: int, slots: int, tokens: int, answer: int,

@@ -200,13 +200,13 @@ def test_batched_search_stops_between_batches(memory):
 def test_a_row_sees_the_unhidden_slots_and_only_its_own_tokens_causally():
     hidden = torch.tensor([[False, True, False], [True, False, False]])
     mask = branch_mask(hidden, 2, torch.float32)
-    assert mask.shape == (2, 1, 2, 3 + 2 * 2)
-    seen = mask[:, 0] == 0
+    assert mask.shape == (1, 1, 2 * 2, 3 + 2 * 2)  # the rows' queries folded into one row
+    seen = mask[0, 0] == 0
     assert seen.tolist() == [
-        [[True, False, True, True, False, False, False],
-         [True, False, True, True, True, False, False]],
-        [[False, True, True, False, False, True, False],
-         [False, True, True, False, False, True, True]],
+        [True, False, True, True, False, False, False],
+        [True, False, True, True, True, False, False],
+        [False, True, True, False, False, True, False],
+        [False, True, True, False, False, True, True],
     ]
     assert (mask[~(mask == 0)] == torch.finfo(torch.float32).min).all()
 
