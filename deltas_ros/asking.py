@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import Backend
+from .backend import EVIDENCE_BATCH_BYTES, Backend, evidence_rows
 from .memory_config import MemoryConfig, question_problem
 from .slots import SlotTable
 
@@ -69,11 +69,13 @@ def decode(backend: Backend, hidden: torch.Tensor, position: int, limit: int,
 class Evidence:
     """How an answer's evidence is found: `count` chunks reported, the `candidates` attended to
     most tested by leaving each out (0: attention mass only); restore() puts the backend back
-    as it was before the question (between the forwards of the test)."""
+    as it was before the question (before the test); `batch_bytes` bounds each batched forward
+    of the test (`leave_one_out_batched`)."""
 
     count: int
     candidates: int
     restore: Callable[[], None]
+    batch_bytes: int = EVIDENCE_BATCH_BYTES
 
 
 def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position: int,
@@ -103,8 +105,8 @@ def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position
     if not generated or not evidence.candidates or stop == "cancelled":
         return generated, attended[:evidence.count], stop
     evidence.restore()
-    drops = leave_one_out(backend, slots, ids, generated, position, attended, allowed,
-                          evidence.restore, deadline, cancelled)
+    drops = leave_one_out_batched(backend, slots, ids, generated, position, attended, allowed,
+                                  deadline, cancelled, evidence.batch_bytes)
     return generated, by_drop(attended, drops)[:evidence.count], stop
 
 
@@ -130,7 +132,9 @@ def leave_one_out(backend: Backend, slots: SlotTable, ids: list[int], answer: li
     backend is restored after each.
 
     Why: attention mass points at the chunks a question reads, often the newest or the most
-    salient, not at the event the answer needs (README "The shipped model")."""
+    salient, not at the event the answer needs (README "The shipped model"). The slow
+    reference of `leave_one_out_batched`, which questions use (test_evidence compares them,
+    bench.real_size times both)."""
     seen = torch.ones_like(slots.chunk, dtype=torch.bool) if allowed is None else allowed
 
     def log_prob(hidden_chunk: int | None) -> float:
@@ -148,6 +152,32 @@ def leave_one_out(backend: Backend, slots: SlotTable, ids: list[int], answer: li
             break
         drops[chunk] = full - log_prob(chunk)
     return drops
+
+
+def leave_one_out_batched(backend: Backend, slots: SlotTable, ids: list[int], answer: list[int],
+                          position: int, candidates: list[int], allowed: torch.Tensor | None,
+                          deadline: float, cancelled: Callable[[], bool] | None = None,
+                          batch_bytes: int = EVIDENCE_BATCH_BYTES) -> dict[int, float]:
+    """`leave_one_out`'s drops from batched forwards over the memory's cache as it is: row 0
+    hides nothing but what `allowed` leaves out, row i + 1 also candidate i's slots, by the
+    attention mask (`Backend.answer_log_probs`); as many rows a forward as `evidence_rows` fits
+    in `batch_bytes`. No K/V copy per candidate, and the backend is only read, so it needs no
+    restore. Stops before a batch at `deadline` or `cancelled()`: the candidates of the
+    batches run are tested (all of them when one batch holds them), the others not."""
+    outside = (torch.zeros_like(slots.chunk, dtype=torch.bool) if allowed is None
+               else ~allowed)
+    rows = [outside, *(outside | (slots.chunk == chunk) for chunk in candidates)]
+    length = len(ids) + len(answer)
+    per_batch = evidence_rows(batch_bytes, backend.model.config.text_config, len(outside),
+                              length, len(answer), backend.dtype, len(rows))
+    log_probs: list[float] = []
+    for start in range(0, len(rows), per_batch):
+        if time.perf_counter() > deadline or cancelled is not None and cancelled():
+            break
+        log_probs += backend.answer_log_probs(ids, answer, position,
+                                              torch.stack(rows[start:start + per_batch]))
+    return {chunk: log_probs[0] - log_prob
+            for chunk, log_prob in zip(candidates, log_probs[1:])}
 
 
 def by_drop(candidates: list[int], drops: dict[int, float]) -> list[int]:

@@ -62,6 +62,9 @@ from .rope import RotaryShift
 KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 # Elements of one slice of question-by-slot attention logits (64 MiB in float32).
 EVIDENCE_SLICE_ELEMENTS = 1 << 24
+# Bytes one batched evidence forward may hold at its peak (`evidence_rows`): about one copy of
+# the K/V at 9B and M = 8192 in bf16, what the evidence search's copy per candidate used to take.
+EVIDENCE_BATCH_BYTES = 512 << 20
 # (sink, strength function) of the recording in progress in this thread, or None.
 _RECORDING: ContextVar[tuple[list[torch.Tensor], Callable] | None] = ContextVar(
     "deltas_write_strength", default=None)
@@ -198,6 +201,61 @@ class Backend:
         scores = self.model.lm_head(hidden[0]).float().log_softmax(-1)
         picked = scores.gather(1, torch.tensor(targets, device=self.device)[:, None])
         return float(picked.sum())
+
+    def answer_log_probs(self, ids: list[int], answer: list[int], position: int,
+                         hidden: torch.Tensor) -> list[float]:
+        """log p(answer | question `ids`, the cache without the slots hidden[b]) for each row b
+        of hidden (B, T) bool: one teacher-forced forward of batch B of the question and the
+        answer at `position`, over the cache as it is (`_BranchCache`: no K/V copy per row, the
+        cache only read). The full-attention layers see the rows as one row of B*L queries
+        (`folded_attention`), which `branch_mask` keeps each on its own tokens and off its
+        hidden slots: one batch-1 attention over the cache, not B over broadcast copies of it.
+        """
+        rows, length = hidden.shape[0], len(ids) + len(answer)
+        tokens = torch.tensor([ids + answer], device=self.device).expand(rows, -1)
+        positions = torch.arange(position, position + length, device=self.device)
+        mask = branch_mask(hidden.to(self.device), length, self.dtype)
+        with self.folded_attention():
+            out = self.model.model.language_model(
+                input_ids=tokens, position_ids=positions.expand(3, rows, -1),
+                attention_mask={"full_attention": mask, "linear_attention": None},
+                cache=_BranchCache(self.cache, rows, self.model.config.text_config),
+                use_cache=True)
+        states = out.last_hidden_state[:, len(ids) - 1:-1]
+        return [self.log_prob(states[row:row + 1], answer) for row in range(rows)]
+
+    @contextmanager
+    def folded_attention(self) -> Iterator[None]:
+        """While active, each full-attention layer takes its (B, L, hidden) input as one row
+        (1, B*L, hidden), with its rotary embeddings folded alike, and gives its output back as
+        (B, L, hidden): the projections work per token, so only the attention itself changes,
+        to one batch-1 attention of B*L queries (its mask must be laid out so, `branch_mask`).
+        """
+        shapes: list[torch.Size] = []
+
+        def fold(_module, args, kwargs):
+            hidden = kwargs["hidden_states"]
+            shapes.append(hidden.shape)
+            cos, sin = kwargs["position_embeddings"]
+            return args, kwargs | {
+                "hidden_states": hidden.reshape(1, -1, hidden.shape[-1]),
+                "position_embeddings": (cos.reshape(1, -1, cos.shape[-1]),
+                                        sin.reshape(1, -1, sin.shape[-1]))}
+
+        def unfold(_module, _args, _kwargs, output):
+            out, weights = output
+            return out.view(shapes.pop()), weights
+
+        modules = [m for m in self.model.modules()
+                   if isinstance(m, modeling_qwen3_5.Qwen3_5Attention)]
+        hooks = [h for m in modules for h in (
+            m.register_forward_pre_hook(fold, with_kwargs=True),
+            m.register_forward_hook(unfold, with_kwargs=True))]
+        try:
+            yield
+        finally:
+            for handle in hooks:
+                handle.remove()
 
     def step(self, token: int, position: int) -> torch.Tensor:
         """One decoding step of `token` at `position` (all three rows); returns (1, 1, hidden)."""
@@ -405,6 +463,101 @@ class Backend:
         finally:
             for handle in hooks:
                 handle.remove()
+
+
+class _BranchCache(DynamicCache):
+    """The cache of one forward of `rows` batch rows that each continue `source` (a stream's
+    cache, batch 1) without writing into it: what lets the evidence search test many candidates
+    in one forward, with no copy of the K/V per candidate.
+
+    Full-attention layers (under `Backend.folded_attention`): the source's K/V (1, kv_heads, T,
+    head_dim) by reference, then the rows' new K/V, which arrive folded into one row (row b's
+    token j at slot T + b*L + j): one concatenation per layer for all rows; `branch_mask`
+    keeps each row on its own tokens. Linear-attention layers: each row starts from the
+    source's states (the recurrent state copied to the rows of one layer at a time, as fla's
+    kernels read their rows contiguous), in the prefill branch (never the single-token one,
+    which writes the conv state in place). Nothing is stored: each layer's concatenation and
+    final states are freed after the layer.
+    """
+
+    def __init__(self, source: DynamicCache, rows: int, text_config) -> None:
+        super().__init__(config=text_config)
+        self.source, self.rows = source, rows
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        state = self.source.layers[layer_idx].conv_states[state_idx]
+        return state.expand(self.rows, *state.shape[1:])
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        state = self.source.layers[layer_idx].recurrent_states[state_idx]
+        return state.expand(self.rows, *state.shape[1:]).contiguous()
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return True
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          **_) -> torch.Tensor:
+        return torch.cat([self.get_conv_state(layer_idx, state_idx), conv_states], dim=-1)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
+                               state_idx: int = 0, **_) -> torch.Tensor:
+        return recurrent_states
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *_, **__) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.source.layers[layer_idx]
+        return (torch.cat([layer.keys, key_states], dim=-2),
+                torch.cat([layer.values, value_states], dim=-2))
+
+
+def branch_mask(hidden: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, B*L, T + B*L) additive attention mask of a `_BranchCache` forward of L tokens a
+    row, folded (`Backend.folded_attention`): query b*L + i (row b's token i) sees the cache
+    slots not in hidden[b] (hidden (B, T) bool) and its own row's new tokens up to itself
+    (slots T + b*L .. T + b*L + i), never another row's. The dtype's lowest value where hidden,
+    as transformers' own masks, so that eager and sdpa attention both take it."""
+    rows, device = hidden.shape[0], hidden.device
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+    own = (torch.eye(rows, dtype=torch.bool, device=device)[:, None, :, None]
+           & causal[None, :, None, :]).reshape(rows, tokens, rows * tokens)
+    seen = torch.cat([(~hidden)[:, None, :].expand(-1, tokens, -1), own], dim=-1)
+    mask = torch.zeros(seen.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~seen, torch.finfo(dtype).min).view(1, 1, rows * tokens, -1)
+
+
+def evidence_batch_bytes(text_config, rows: int, slots: int, tokens: int, answer: int,
+                         dtype: torch.dtype) -> int:
+    """An upper estimate of the bytes `Backend.answer_log_probs` holds at its peak beyond the
+    model and the memory, for `rows` rows of `tokens` tokens (the last `answer` scored) over
+    `slots` cache slots: what `evidence_rows` sizes a batch by and what a memory plan counts.
+
+    The mask and the hidden states (with the MLP's) live through the forward; one layer's work
+    at a time on top: a full-attention layer's folded K/V concatenated and repeated to the
+    query heads, float32 scores and weights; or a linear-attention layer's three float32
+    recurrent states per row, its chunk kernel's float32 work (64-token chunks) and the conv
+    input. Then one row's answer logits and their log-softmax in float32.
+    """
+    text, size = text_config, torch.finfo(dtype).bits // 8
+    queries, keys = rows * tokens, slots + rows * tokens
+    hidden = queries * (keys + 4 * text.hidden_size + 3 * text.intermediate_size) * size
+    full = (2 * (text.num_key_value_heads + text.num_attention_heads) * keys * text.head_dim
+            * size + 2 * text.num_attention_heads * queries * keys * 4)
+    k_dim, v_dim = text.linear_key_head_dim, text.linear_value_head_dim
+    conv = 2 * text.linear_num_key_heads * k_dim + text.linear_num_value_heads * v_dim
+    chunk = max(64, -(-tokens // 64) * 64)
+    linear = (rows * text.linear_num_value_heads * 4
+              * (3 * k_dim * v_dim + chunk * (2 * chunk + 6 * (k_dim + v_dim)))
+              + 2 * rows * conv * (text.linear_conv_kernel_dim + tokens) * size)
+    return hidden + max(full, linear) + 2 * answer * text.vocab_size * 4
+
+
+def evidence_rows(bound: int, text_config, slots: int, tokens: int, answer: int,
+                  dtype: torch.dtype, most: int) -> int:
+    """How many rows (at most `most`, at least 1) one batched evidence forward takes so that
+    `evidence_batch_bytes` stays within `bound`."""
+    return max((rows for rows in range(1, most + 1)
+                if evidence_batch_bytes(text_config, rows, slots, tokens, answer, dtype)
+                <= bound), default=1)
 
 
 def _rotated_queries(module: torch.nn.Module, hidden: torch.Tensor, embeddings) -> torch.Tensor:

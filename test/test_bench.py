@@ -17,8 +17,17 @@ from typing import Any
 import pytest
 import torch
 
-from bench import bounded_memory, end_to_end, engine_overhead, ingest, node_path, retention
+from bench import (
+    bounded_memory,
+    end_to_end,
+    engine_overhead,
+    ingest,
+    node_path,
+    real_size,
+    retention,
+)
 from bench.common import bench_model, verdict
+from deltas_ros.maker import config_from_file
 from deltas_ros.policy import POLICY_NAMES
 
 # Each script builds and runs a model: seconds each.
@@ -96,6 +105,35 @@ def test_node_path(tmp_path):
     assert results["signal_ms"] > 0 and results["evict_ms_per_event"] > 0
     assert results["flatness_of"] == "rss_bytes" and [s["chunk"] for s in results["samples"]] \
         == [3, 7, 11]
+
+
+def test_real_size_smoke_runs_both_dtypes_on_the_cpu(tmp_path):
+    real_size.main(["--smoke", "--out", str(tmp_path)])
+    results = written(tmp_path, "real_size")
+    assert set(results["dtypes"]) == {"float32", "bfloat16"} and results["budget"] == 120
+    for dtype, row in results["dtypes"].items():
+        assert row["model"]["dtype"] == dtype and row["model"]["source"] == "tiny"
+        assert row["eviction_events"] > 0 and row["max_kv_tokens"] <= 120
+        assert row["real_time_factor"] == pytest.approx(row["forward_ms"] / 1000)
+        assert row["forward_ms"] > 0
+        assert row["signal_fraction"] > 0 and row["evict_fraction"] > 0
+        assert row["first_eviction"]["rss_bytes"] > 0 and "rss_growth" in row
+        assert [s["chunk"] for s in row["samples"]] == [3, 7, 11]
+        (only,) = row["rounds"]
+        assert only["candidates"] == 4 and only["same_evidence"] and only["batches"] == 1
+        assert only["old_search_ms"] > 0 and only["new_search_ms"] > 0 and only["ask_ms"] > 0
+        assert only["ask_evidence_old_ms"] == only["ask_ms"] + only["old_search_ms"]
+    assert results["dtypes"]["float32"]["rounds"][0]["max_drop_difference"] < 1e-4
+    verdicts = {c["check"]: c["result"] for c in results["checks"]}
+    assert len(verdicts) == 12 and verdicts["float32: evidence, batched vs old"] == "PASS"
+    assert verdicts["bfloat16: question with evidence (batched search)"] == \
+        "n/a (not the 0.8B config)"
+
+
+def test_the_default_real_size_config_has_the_0_8b_dimensions():
+    text = config_from_file(real_size.DEFAULT_CONFIG).text_config
+    assert (text.num_hidden_layers, text.hidden_size, text.layer_types.count("full_attention"),
+            text.linear_num_value_heads, text.num_key_value_heads) == (24, 1024, 6, 16, 2)
 
 
 def test_gpu_script_smoke_mode_runs_every_step_on_the_cpu(tmp_path):

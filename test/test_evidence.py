@@ -1,16 +1,22 @@
 """An answer's evidence: the chunks whose absence lowers the answer's likelihood most, found by
-leaving each candidate out once (asking.leave_one_out), checked against removing the chunk from
-a copy of the cache for real."""
+leaving each candidate out once: one forward a candidate over a copy of the cache without it
+(asking.leave_one_out, the slow reference), checked against removing the chunk from a copy of
+the cache for real; and the candidates as rows of batched forwards that hide them by the
+attention mask (asking.leave_one_out_batched, what questions use), checked against the
+reference."""
 
 import math
 
 import pytest
 import torch
 from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
+from transformers import AutoModelForImageTextToText
 
 from deltas_ros import asking
-from deltas_ros.asking import by_drop, leave_one_out
+from deltas_ros.asking import by_drop, leave_one_out, leave_one_out_batched
+from deltas_ros.backend import branch_mask, evidence_batch_bytes, evidence_rows
 from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.model import LoadedModel
 
 CONFIG = MemoryConfig(budget_tokens=10_000, window_tokens=8, max_new_tokens=4, **TINY_FRAMES)
 CHUNKS = 6
@@ -75,15 +81,16 @@ def test_largest_drop_first_ties_and_untested_in_their_order():
 
 
 def test_evidence_is_the_chunks_with_the_largest_drop(tiny_model, monkeypatch):
-    """ask() reports the chunks leave_one_out ranks first; with no candidates, the chunks the
-    answer attended to most; either way the answer is the same and the memory bit-identical."""
+    """ask() reports the chunks leave_one_out_batched ranks first; with no candidates, the
+    chunks the answer attended to most; either way the answer is the same and the memory
+    bit-identical."""
     seen = []
 
     def recorded(*args):
-        seen.append(leave_one_out(*args))
+        seen.append(leave_one_out_batched(*args))
         return seen[-1]
 
-    monkeypatch.setattr(asking, "leave_one_out", recorded)
+    monkeypatch.setattr(asking, "leave_one_out_batched", recorded)
     reports = {}
     for candidates in (0, CHUNKS):
         memory = StreamingMemory(tiny_model, MemoryConfig(
@@ -114,3 +121,102 @@ def test_a_cancel_stops_the_test_between_candidates(memory):
                               math.inf, cancelled)
     assert list(drops) == [4, 1]
     assert by_drop([4, 1, 2, 0], drops)[2:] == [2, 0]
+
+
+def reference_drops(memory: StreamingMemory, ids: list[int], answer: list[int],
+                    candidates: list[int], allowed: torch.Tensor | None) -> dict[int, float]:
+    with torch.inference_mode():
+        snapshot = memory.backend.snapshot()
+        return leave_one_out(memory.backend, memory.slots, ids, answer, memory.next_position,
+                             candidates, allowed, lambda: memory.backend.restore(snapshot),
+                             math.inf)
+
+
+def batch_bound(memory: StreamingMemory, rows: int, ids: list[int], answer: list[int]) -> int:
+    """The batch bound at which `rows` rows fit in one forward of this question."""
+    return evidence_batch_bytes(memory.model.config.text_config, rows, memory.kv_tokens,
+                                len(ids) + len(answer), len(answer), memory.backend.dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, CHUNKS + 1])  # one row a forward, a few batches, one
+@pytest.mark.parametrize("windowed", [False, True])
+def test_batched_drops_equal_the_reference_and_leave_the_memory_as_it_was(memory, rows,
+                                                                         windowed):
+    """Each candidate hidden by the mask in a batch row drops log p(answer) as much as the
+    reference's forward over a copy without it; a window hides the same slots in every row.
+    The memory's cache is only read: bit-identical, with no restore."""
+    ids = memory.layout.question_ids(memory.tokenizer, "What color was the ball?")
+    answer = memory.tokenizer.encode(" a red ball", add_special_tokens=False)
+    allowed = asking.window_slots(memory.slots, 1.0, 4.5) if windowed else None
+    candidates = [4, 1, 3, 2] if windowed else list(range(CHUNKS))
+    expected = reference_drops(memory, ids, answer, candidates, allowed)
+    before = frozen(memory)
+    with torch.inference_mode():
+        drops = leave_one_out_batched(memory.backend, memory.slots, ids, answer,
+                                      memory.next_position, candidates, allowed, math.inf,
+                                      batch_bytes=batch_bound(memory, rows, ids, answer))
+    assert_same_state(frozen(memory), before)
+    assert list(drops) == candidates
+    for c in candidates:
+        assert drops[c] == pytest.approx(expected[c], abs=1e-5), c
+    assert len({round(d, 4) for d in drops.values()}) > 1
+
+
+def test_batched_drops_equal_the_reference_with_eager_attention(tiny_model_dir, tiny_model):
+    """The mask is additive, so eager attention takes it as sdpa does."""
+    model = AutoModelForImageTextToText.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, local_files_only=True, attn_implementation="eager")
+    model.eval().requires_grad_(False)
+    eager = StreamingMemory(LoadedModel(model, tiny_model.tokenizer, tiny_model_dir,
+                                        torch.device("cpu"), torch.float32, False), CONFIG)
+    feed(eager, range(CHUNKS))
+    ids = eager.layout.question_ids(eager.tokenizer, "Where was the ball?")
+    answer = eager.tokenizer.encode(" on the left", add_special_tokens=False)
+    expected = reference_drops(eager, ids, answer, list(range(CHUNKS)), None)
+    with torch.inference_mode():
+        drops = leave_one_out_batched(eager.backend, eager.slots, ids, answer,
+                                      eager.next_position, list(range(CHUNKS)), None, math.inf)
+    assert drops == pytest.approx(expected, abs=1e-5)
+
+
+def test_batched_search_stops_between_batches(memory):
+    asked = []
+
+    def cancelled() -> bool:
+        asked.append(True)
+        return len(asked) > 2  # after two batches
+
+    ids, answer = [1, 2], [3]
+    with torch.inference_mode():
+        assert leave_one_out_batched(memory.backend, memory.slots, ids, answer,
+                                     memory.next_position, [4, 1, 2], None, 0.0) == {}
+        drops = leave_one_out_batched(memory.backend, memory.slots, ids, answer,
+                                      memory.next_position, [4, 1, 2, 0, 5], None, math.inf,
+                                      cancelled, batch_bound(memory, 2, ids, answer))
+    assert list(drops) == [4, 1, 2]  # rows: (nothing, 4), (1, 2); then cancelled
+    assert by_drop([4, 1, 2, 0, 5], drops)[3:] == [0, 5]
+
+
+def test_a_row_sees_the_unhidden_slots_and_only_its_own_tokens_causally():
+    hidden = torch.tensor([[False, True, False], [True, False, False]])
+    mask = branch_mask(hidden, 2, torch.float32)
+    assert mask.shape == (1, 1, 2 * 2, 3 + 2 * 2)  # the rows' queries folded into one row
+    seen = mask[0, 0] == 0
+    assert seen.tolist() == [
+        [True, False, True, True, False, False, False],
+        [True, False, True, True, True, False, False],
+        [False, True, True, False, False, True, False],
+        [False, True, True, False, False, True, True],
+    ]
+    assert (mask[~(mask == 0)] == torch.finfo(torch.float32).min).all()
+
+
+def test_the_batch_is_as_large_as_the_bound_allows(tiny_model):
+    text = tiny_model.model.config.text_config
+    sizes = [evidence_batch_bytes(text, rows, 8192, 40, 16, torch.bfloat16)
+             for rows in range(1, 34)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+    assert evidence_rows(sizes[9], text, 8192, 40, 16, torch.bfloat16, 33) == 10
+    assert evidence_rows(sizes[9] - 1, text, 8192, 40, 16, torch.bfloat16, 33) == 9
+    assert evidence_rows(sizes[-1] * 2, text, 8192, 40, 16, torch.bfloat16, 33) == 33
+    assert evidence_rows(1, text, 8192, 40, 16, torch.bfloat16, 33) == 1  # always progress
