@@ -55,7 +55,7 @@ from .common import (
 )
 from .engine_overhead import stream_chunks
 
-DEFAULT_CONFIG = Path(__file__).with_name("qwen3_5_0_8b_config.json")
+DEFAULT_CONFIG = Path(__file__).parents[1] / "config" / "models" / "qwen3_5_0_8b.json"
 QUESTION = "Where is the cup?"
 ANSWER = " The cup is on the table by the window, next to the red box."
 TARGET_QUESTION_S = 10.0  # a question with evidence at the 0.8B dimensions on this CPU

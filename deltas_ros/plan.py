@@ -36,7 +36,12 @@ from typing import Any
 
 import torch
 
-from .backend import EVIDENCE_SLICE_ELEMENTS
+from .backend import (
+    EVIDENCE_BATCH_BYTES,
+    EVIDENCE_SLICE_ELEMENTS,
+    evidence_batch_bytes,
+    evidence_rows,
+)
 from .chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
 from .memory_config import MemoryConfig
 from .model import Qwen3_5Config, parameter_count, read_config, resolve_device, resolve_dtype
@@ -151,7 +156,7 @@ class Plan:
             ("chunk forward (peak)", self.chunk_forward_bytes,
              f"{self.tokens_per_chunk} tokens per chunk"),
             ("question (peak)", self.question_bytes, "question and answer"),
-            ("evidence search (peak)", self.evidence_bytes, "one K/V copy per candidate"),
+            ("evidence search (peak)", self.evidence_bytes, "batched rows, no K/V copy"),
         ]
         lines = [f"{name:<26}{mib(size):>12}  {note}" for name, size, note in rows]
         verdict = "fits" if self.fits else "does NOT fit"
@@ -275,23 +280,22 @@ def question_bytes(shape: Shape, inputs: PlanInputs, dtype_bytes: int) -> int:
             + 3 * 4 * logits)
 
 
-def evidence_search_bytes(shape: Shape, inputs: PlanInputs, dtype_bytes: int) -> int:
+def evidence_search_bytes(config: Qwen3_5Config, inputs: PlanInputs, dtype: torch.dtype) -> int:
     """Above the resident terms while the evidence search runs (0 without candidates).
 
-    Today each candidate is one teacher-forced forward of the question and the answer over a
-    gathered copy of the K/V without that chunk, one candidate at a time: one K/V copy of the M
-    slots, the forward's K/V and working set, and the answer's logits (the model's dtype) with
-    their float32 log-softmax over the vocabulary. The candidates' number does not add up: each
-    copy is freed before the next.
+    The candidates are rows of batched teacher-forced forwards of the question and the answer
+    over the cache as it is, each row hiding one chunk by the attention mask (one more row hides
+    none): no K/V copy per candidate. As many rows go into one forward as
+    `evidence_batch_bytes` keeps within EVIDENCE_BATCH_BYTES (at least one), and that
+    forward's estimate is the peak.
     """
     if not inputs.evidence_candidates:
         return 0
-    m, new = inputs.budget_tokens, inputs.question_tokens + inputs.answer_tokens
-    copy = m * kv_bytes_per_token(shape, dtype_bytes)
-    logits = inputs.answer_tokens * shape.vocab * (dtype_bytes + 2 * 4)
-    return (copy + growing_cache_bytes(shape, m, new, dtype_bytes)
-            + attention_bytes(shape, m, new, dtype_bytes) + layer_bytes(shape, new, dtype_bytes)
-            + logits)
+    text, m = config.text_config, inputs.budget_tokens
+    new = inputs.question_tokens + inputs.answer_tokens
+    rows = evidence_rows(EVIDENCE_BATCH_BYTES, text, m, new, inputs.answer_tokens, dtype,
+                         inputs.evidence_candidates + 1)
+    return evidence_batch_bytes(text, rows, m, new, inputs.answer_tokens, dtype)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -319,7 +323,7 @@ def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
     resident = weights + inputs.budget_tokens * per_token + 3 * (states + conv)
     chunk = chunk_forward_bytes(shape, inputs, tokens, patches, size)
     question = question_bytes(shape, inputs, size)
-    evidence = evidence_search_bytes(shape, inputs, size)
+    evidence = evidence_search_bytes(config, inputs, dtype)
     peak = resident + max(chunk, question, evidence)
     free = available_bytes(device) if available is None else available
     seconds_per_chunk = inputs.frames_per_chunk / inputs.fps
