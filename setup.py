@@ -13,6 +13,7 @@ from pathlib import Path
 from setuptools import setup
 
 HERE = Path(__file__).parent
+SUBPACKAGES = ("core", "runtime", "ros", "tools", "training")
 VERSION = re.search(r"<version>([^<]+)</version>", (HERE / "package.xml").read_text()).group(1)
 
 setup(
@@ -20,7 +21,7 @@ setup(
     version=VERSION,
     description="Bounded long-horizon video memory (DeltaS on Qwen3.5): ROS-free core and CLI",
     license="Apache-2.0",
-    packages=["deltas_ros"],
+    packages=["deltas_ros", *(f"deltas_ros.{sub}" for sub in SUBPACKAGES)],
     # The shipped scene model (deltas_ros/models/scenes-tiny), the default model.
     package_data={"deltas_ros": ["models/*/*"]},
     python_requires=">=3.10",
@@ -39,5 +40,5 @@ setup(
     ],
     # fla's Triton kernels for the Gated DeltaNet layers on CUDA (torch's are used without it).
     extras_require={"cuda": ["flash-linear-attention==0.6.0"]},
-    entry_points={"console_scripts": ["deltas-ros = deltas_ros.cli:main"]},
+    entry_points={"console_scripts": ["deltas-ros = deltas_ros.tools.cli:main"]},
 )

@@ -37,18 +37,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltas_ros.chunks import DEFAULT_PIXEL_BUDGET
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import (
+from deltas_ros.core.chunks import DEFAULT_PIXEL_BUDGET
+from deltas_ros.core.loader import (
     LoadedModel,
     load_model,
     resolve_model_path,
     resolve_pixel_budget,
 )
-from deltas_ros.policy import POLICY_NAMES
-from deltas_ros.questions import FORMS, QA, TARGET_FORMS, is_correct, make_question, objects_of
-from deltas_ros.synth import SceneStream
-from deltas_ros.train import VALIDATION_SEEDS, Stage, sampled_chunks
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.policy import POLICY_NAMES
+from deltas_ros.training.questions import (
+    FORMS,
+    QA,
+    TARGET_FORMS,
+    is_correct,
+    make_question,
+    objects_of,
+)
+from deltas_ros.training.synth import SceneStream
+from deltas_ros.training.train import VALIDATION_SEEDS, Stage, sampled_chunks
 
 from .common import add_out_arg, finish, md_table, start_results
 from .retention import PIXEL_DIFF, PixelDiffPolicy, pixel_difference

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltas_ros.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.synth import synth_stream
+from deltas_ros.core.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.training.synth import synth_stream
 
 from .common import (
     add_model_args,

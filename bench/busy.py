@@ -36,11 +36,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import LoadedModel, load_model, resolve_model_path, resolve_pixel_budget
-from deltas_ros.questions import QA, TEMPLATES, answer_for, identities_of, is_correct
-from deltas_ros.synth import BUSY, COLOURS, SHAPES, SceneStream
-from deltas_ros.train import VALIDATION_SEEDS, sampled_chunks
+from deltas_ros.core.loader import (
+    LoadedModel,
+    load_model,
+    resolve_model_path,
+    resolve_pixel_budget,
+)
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.training.questions import QA, TEMPLATES, answer_for, identities_of, is_correct
+from deltas_ros.training.synth import BUSY, COLOURS, SHAPES, SceneStream
+from deltas_ros.training.train import VALIDATION_SEEDS, sampled_chunks
 
 from .answers import wilson
 from .common import add_out_arg, finish, md_table, start_results

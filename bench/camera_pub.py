@@ -29,7 +29,7 @@ from rclpy.duration import Duration
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
 
-from deltas_ros.synth import NS_PER_S, stamp_ns, synth_stream
+from deltas_ros.training.synth import NS_PER_S, stamp_ns, synth_stream
 
 # After matching, the subscriber's side of discovery may still be in flight: frames it misses
 # are resent once it matches, but late, which would skew latencies of the first ones.

@@ -25,9 +25,14 @@ import torch
 import transformers
 from transformers import Qwen3_5ForConditionalGeneration
 
-from deltas_ros.backend import select_gated_delta_kernels
-from deltas_ros.maker import config_from_file, init_decay_like_trained, make_tokenizer, tiny_config
-from deltas_ros.model import LoadedModel, default_dtype, load_model
+from deltas_ros.core.backend import select_gated_delta_kernels
+from deltas_ros.core.loader import LoadedModel, default_dtype, load_model
+from deltas_ros.core.maker import (
+    config_from_file,
+    init_decay_like_trained,
+    make_tokenizer,
+    tiny_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / "results"

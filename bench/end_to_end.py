@@ -33,9 +33,9 @@ from deltas_ros.msg import DriftScore
 from deltas_ros.srv import AskMemory
 from rclpy.executors import SingleThreadedExecutor
 
-from deltas_ros.maker import make_model
-from deltas_ros.node import NOT_READY
-from deltas_ros.synth import NS_PER_S
+from deltas_ros.core.maker import make_model
+from deltas_ros.ros.node import NOT_READY
+from deltas_ros.training.synth import NS_PER_S
 
 from .common import (
     REPO,

@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 
-from deltas_ros.backend import fill_slots, move_slots
-from deltas_ros.drift import stacked_drift, write_strength
-from deltas_ros.maker import config_from_file
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import LoadedModel
-from deltas_ros.policy import POLICY_NAMES, select_keep, select_runs
-from deltas_ros.slots import SlotTable, fill_plan
-from deltas_ros.synth import synth_stream
+from deltas_ros.core.backend import fill_slots, move_slots
+from deltas_ros.core.drift import stacked_drift, write_strength
+from deltas_ros.core.loader import LoadedModel
+from deltas_ros.core.maker import config_from_file
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.policy import POLICY_NAMES, select_keep, select_runs
+from deltas_ros.core.slots import SlotTable, fill_plan
+from deltas_ros.training.synth import synth_stream
 
 from .common import (
     NINE_B_CONFIG,

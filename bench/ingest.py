@@ -11,7 +11,7 @@ FrameGate.push(message_stamp(msg), lambda: decode_message(msg)), plus, for finis
 ChunkBuilder.build (the CPU part of add_chunk; the model itself is left out). Two camera paths:
 "deserialize" (the old node: rclpy deserializes every message before the callback) and "raw"
 (the node now: a raw subscription, the stamp and frame_id read from the CDR bytes by
-deltas_ros.cdr, only sampled frames deserialized), each an input of its own in the same run.
+deltas_ros.ros.cdr, only sampled frames deserialized), each an input of its own in the same run.
 The executor is rclpy's SingleThreadedExecutor ("single"), or a MultiThreadedExecutor with the
 node's thread count ("node"), each spun by spin_once in a loop as rclpy's spin() does
 ("camera" and "events": below). Per frame, over the window from the first to the last callback:
@@ -60,12 +60,12 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CompressedImage, Image
 
-from deltas_ros.cdr import raw_header, raw_stamp
-from deltas_ros.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
-from deltas_ros.frames import FrameGate, FrameSampler, decode_message, message_stamp
-from deltas_ros.maker import make_tokenizer, tiny_config
-from deltas_ros.node import EXECUTOR_THREADS, FRAME_HISTORY
-from deltas_ros.ros_adapters import CameraSubscription
+from deltas_ros.core.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
+from deltas_ros.core.frames import FrameGate, FrameSampler, decode_message, message_stamp
+from deltas_ros.core.maker import make_tokenizer, tiny_config
+from deltas_ros.ros.adapters import CameraSubscription
+from deltas_ros.ros.cdr import raw_header, raw_stamp
+from deltas_ros.ros.node import EXECUTOR_THREADS, FRAME_HISTORY
 
 from .camera_pub import frame_bank
 from .common import (

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.synth import synth_stream
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.training.synth import synth_stream
 
 from .bounded_memory import rss_bytes
 from .common import (

@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from deltas_ros.asking import by_drop, leave_one_out, leave_one_out_batched
-from deltas_ros.backend import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import LoadedModel
+from deltas_ros.core.asking import by_drop, leave_one_out, leave_one_out_batched
+from deltas_ros.core.backend import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
+from deltas_ros.core.loader import LoadedModel
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 
 from .bounded_memory import rss_bytes
 from .common import (

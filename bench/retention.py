@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import LoadedModel
-from deltas_ros.policy import POLICY_NAMES, ChunkSignals, RetentionPolicy
-from deltas_ros.synth import synth_stream
+from deltas_ros.core.loader import LoadedModel
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.policy import POLICY_NAMES, ChunkSignals, RetentionPolicy
+from deltas_ros.training.synth import synth_stream
 
 from .common import (
     add_model_args,

@@ -21,7 +21,7 @@ offline_args=(--budget "${BUDGET:-80}" --window 14 --sinks 6)
 # By default, a question about the first object of the generated stream, and its true answer
 # from the generator's events (the model never sees them; it answers from its memory).
 mapfile -t default < <(.venv/bin/python -c "import json, os, sys
-from deltas_ros.questions import answer_for, objects_of
+from deltas_ros.training.questions import answer_for, objects_of
 events = json.load(open(sys.argv[1]))['events'] if os.path.isfile(sys.argv[1]) else None
 objects = [e for e in objects_of(events) if 'shape' in e] if events is not None else []
 if events is None:

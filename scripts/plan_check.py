@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import load_model
-from deltas_ros.plan import PlanInputs, mib, plan_for_path
-from deltas_ros.synth import synth_stream
+from deltas_ros.core.loader import load_model
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.plan import PlanInputs, mib, plan_for_path
+from deltas_ros.training.synth import synth_stream
 
 
 def rss_bytes() -> int:

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from deltas_ros.memory import MemoryState, StreamingMemory
+from deltas_ros.core.memory import MemoryState, StreamingMemory
 
 TINY_FRAMES = dict(pixel_budget=64 * 64)  # 4 vision tokens per chunk: fast streams on CPU
 

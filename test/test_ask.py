@@ -15,9 +15,9 @@ from engine_helpers import (
     question_ids,
 )
 
-from deltas_ros.asking import window_slots
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.poses import Pose
+from deltas_ros.core.asking import window_slots
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.poses import Pose
 
 ASK_CONFIG = dict(budget_tokens=10_000, window_tokens=8, max_new_tokens=6, **TINY_FRAMES)
 

@@ -27,8 +27,8 @@ from bench import (
     retention,
 )
 from bench.common import bench_model, verdict
-from deltas_ros.maker import config_from_file
-from deltas_ros.policy import POLICY_NAMES
+from deltas_ros.core.maker import config_from_file
+from deltas_ros.core.policy import POLICY_NAMES
 
 # Each script builds and runs a model: seconds each.
 pytestmark = pytest.mark.slow

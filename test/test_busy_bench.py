@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench import busy
-from deltas_ros.questions import identities_of
+from deltas_ros.training.questions import identities_of
 
 
 @pytest.fixture(autouse=True)

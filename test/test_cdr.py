@@ -1,5 +1,5 @@
-"""The header read from CDR bytes (deltas_ros.cdr) against rclpy's own serialization, and the raw
-camera path's sampling against the deserializing one on the same streams."""
+"""The header read from CDR bytes (deltas_ros.ros.cdr) against rclpy's own serialization, and
+the raw camera path's sampling against the deserializing one on the same streams."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CompressedImage, Image
 
-from deltas_ros.cdr import raw_header, raw_stamp
-from deltas_ros.frames import FrameGate, FrameSampler, decode_message, message_stamp
+from deltas_ros.core.frames import FrameGate, FrameSampler, decode_message, message_stamp
+from deltas_ros.ros.cdr import raw_header, raw_stamp
 
 
 def image(sec: int, nanosec: int, frame_id: str, width: int = 4, height: int = 2) -> Image:

@@ -8,9 +8,9 @@ import torch
 from engine_helpers import TINY_FRAMES, feed, frames_for, kept_by_runs, kv, next_logits
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-from deltas_ros import memory as memory_module
-from deltas_ros.memory import PREFIX_CHUNK, MemoryConfig, StreamingMemory
-from deltas_ros.rope import compacted_positions
+from deltas_ros.core import memory as memory_module
+from deltas_ros.core.memory import PREFIX_CHUNK, MemoryConfig, StreamingMemory
+from deltas_ros.core.rope import compacted_positions
 
 COMPACTION_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
 

@@ -13,11 +13,11 @@ from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltas_ros import memory as memory_module
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.persist import load_memory, save_memory
-from deltas_ros.policy import POLICY_NAMES, select_keep, select_runs
-from deltas_ros.slots import PREFIX_CHUNK, SlotTable, fill_plan
+from deltas_ros.core import memory as memory_module
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.persistence import load_memory, save_memory
+from deltas_ros.core.policy import POLICY_NAMES, select_keep, select_runs
+from deltas_ros.core.slots import PREFIX_CHUNK, SlotTable, fill_plan
 
 STREAM = dict(budget_tokens=150, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
 

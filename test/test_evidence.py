@@ -12,11 +12,11 @@ import torch
 from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
 from transformers import AutoModelForImageTextToText
 
-from deltas_ros import asking
-from deltas_ros.asking import by_drop, leave_one_out, leave_one_out_batched
-from deltas_ros.backend import branch_mask, evidence_batch_bytes, evidence_rows
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import LoadedModel
+from deltas_ros.core import asking
+from deltas_ros.core.asking import by_drop, leave_one_out, leave_one_out_batched
+from deltas_ros.core.backend import branch_mask, evidence_batch_bytes, evidence_rows
+from deltas_ros.core.loader import LoadedModel
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 
 CONFIG = MemoryConfig(budget_tokens=10_000, window_tokens=8, max_new_tokens=4, **TINY_FRAMES)
 CHUNKS = 6

@@ -10,9 +10,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5VisionModel
 
-from deltas_ros import memory as memory_module
-from deltas_ros.chunks import ChunkBuilder
-from deltas_ros.memory import ChunkFailed, MemoryConfig, QuestionFailed, StreamingMemory
+from deltas_ros.core import memory as memory_module
+from deltas_ros.core.chunks import ChunkBuilder
+from deltas_ros.core.memory import ChunkFailed, MemoryConfig, QuestionFailed, StreamingMemory
 
 FAULT_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=4, **TINY_FRAMES)
 LAST_ATTENTION = 7  # the tiny model's second full-attention layer

@@ -14,7 +14,7 @@ from engine_helpers import corrupted_jpeg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltas_ros.frames import (
+from deltas_ros.core.frames import (
     SUPPORTED_ENCODINGS,
     FrameError,
     FrameGate,
@@ -436,7 +436,7 @@ def test_decode_message_handles_raw_and_compressed_messages():
     assert decode_message(compressed).shape == (3, 5, 3)
 
 
-# --- the stream clock rule (module docstring of deltas_ros.frames) ---------------------------
+# --- the stream clock rule (module docstring of deltas_ros.core.frames) -------------------------
 
 
 def raw_rgb(stamp: float, encoding: str = "rgb8", height: int = 2, width: int = 2):
@@ -730,7 +730,7 @@ def test_a_frame_beyond_the_size_limits_is_refused_at_the_gate():
 
 
 def test_raw_frames_beyond_the_limits_are_refused_from_their_header():
-    from deltas_ros.frames import MAX_FRAME_PIXELS
+    from deltas_ros.core.frames import MAX_FRAME_PIXELS
 
     with pytest.raises(FrameError, match="elongated"):
         decode_raw("mono8", 1, 1_000_000, 1_000_000, bytes(1_000_000))
@@ -763,7 +763,7 @@ def test_a_png_bomb_is_refused_before_decoding(monkeypatch):
 @pytest.mark.parametrize("progressive", [0, 1])
 @pytest.mark.parametrize(("height", "width"), [(1, 1), (17, 300), (480, 640), (1000, 8)])
 def test_compressed_size_reads_jpeg_and_png_headers(height, width, progressive):
-    from deltas_ros.frames import compressed_size
+    from deltas_ros.core.frames import compressed_size
 
     image = np.random.default_rng(0).integers(0, 255, (height, width, 3), np.uint8)
     ok, jpeg = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_PROGRESSIVE, progressive])
@@ -788,8 +788,8 @@ def test_other_codecs_are_refused_with_the_reason():
 
 def test_the_aspect_limit_is_the_models():
     """The gate refuses exactly the frames smart_resize (the worker) would fail on."""
-    from deltas_ros.chunks import smart_resize
-    from deltas_ros.frames import MAX_ASPECT_RATIO, check_frame_size
+    from deltas_ros.core.chunks import smart_resize
+    from deltas_ros.core.frames import MAX_ASPECT_RATIO, check_frame_size
 
     for height, width in [(1, MAX_ASPECT_RATIO), (3, 3 * MAX_ASPECT_RATIO), (MAX_ASPECT_RATIO, 1)]:
         check_frame_size(height, width)

@@ -1,8 +1,10 @@
-"""Which module may import what (README "Architecture"), read from the source without importing.
+"""Which layer may import what (README "Architecture"), read from the source without importing.
 
-Everything but the ROS side and the command line (which hands `replay` and `ask` to the ROS
-side) imports without ROS, so `pip install .` gives a working core; the node's modules never
-import the tools; only the backend reaches into transformers' Qwen3.5 modelling code.
+The folders are the layers: `core` (the engine), `runtime` (the node's state without ROS),
+`ros` (the ROS 2 side), `tools` (the command line) and `training`. Imports run downward only:
+ros -> runtime -> core, tools -> training -> core; tools reach the ROS side only through
+`replay` and `ask_client`. Everything but `ros` imports without ROS, so `pip install .` gives a
+working core; only the backend reaches into transformers' Qwen3.5 modelling code.
 """
 
 from __future__ import annotations
@@ -11,59 +13,81 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "deltas_ros"
-# The ROS side: rclpy and generated interfaces allowed.
-ROS_SIDE = {"node", "memory_node", "ros_adapters", "ask_action", "memory_services", "ros_memory",
-            "replay", "ask_client"}
-# Tools: command line, generators, offline runs, plots, the tiny-model maker, training.
-TOOLS = {"cli", "synth", "bag", "offline", "plot", "maker", "train", "questions"}
-NODE = {"node", "memory_node", "ros_adapters", "ask_action", "memory_services", "ros_memory"}
+LAYERS = {"core", "runtime", "ros", "tools", "training"}
+# What each layer may import of this package besides itself.
+ALLOWED = {
+    "core": set(),
+    "runtime": {"core"},
+    "ros": {"runtime", "core"},
+    "training": {"core"},
+    "tools": {"training", "core", "ros.replay", "ros.ask_client"},
+}
+GENERATED = ("deltas_ros.msg", "deltas_ros.srv", "deltas_ros.action")
 ROS_PACKAGES = ("rclpy", "rcl_interfaces", "builtin_interfaces", "std_msgs", "std_srvs",
                 "sensor_msgs", "diagnostic_msgs", "rosgraph_msgs", "geometry_msgs", "nav_msgs",
                 "lifecycle_msgs", "action_msgs")
-
-
-def imports(module: str) -> set[str]:
-    """Absolute names a module imports (relative ones as deltas_ros.<name>), at any depth."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = f"deltas_ros.{base}" if base else "deltas_ros"
-                if not node.module:  # from . import x
-                    names |= {f"deltas_ros.{alias.name}" for alias in node.names}
-                    continue
-            names.add(base)
-    return names
+MAX_LINES = 450
 
 
 def modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    """Every source module as "layer.name"."""
+    return sorted(f"{p.parent.name}.{p.stem}" for p in PACKAGE.glob("*/*.py")
+                  if p.stem != "__init__")
+
+
+def source(module: str) -> str:
+    return (PACKAGE / f"{module.replace('.', '/')}.py").read_text()
+
+
+def imports(module: str) -> set[str]:
+    """Absolute names a module imports, relative ones resolved, at any depth."""
+    layer = module.split(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source(module))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = {0: "", 1: f"deltas_ros.{layer}", 2: "deltas_ros"}[node.level]
+            name = ".".join(filter(None, [base, node.module or ""]))
+            if node.module is None or name in {f"deltas_ros.{x}" for x in LAYERS}:
+                names |= {f"{name}.{alias.name}" for alias in node.names}  # from . import x
+            else:
+                names.add(name)
+    return names
 
 
 def ours(names: set[str]) -> set[str]:
-    return {n.split(".")[1] for n in names if n.startswith("deltas_ros.") and n.count(".") >= 1}
+    """The source modules among `names`, as "layer.name" (generated interfaces left out)."""
+    return {".".join(n.split(".")[1:3]) for n in names
+            if n.startswith("deltas_ros.") and n.split(".")[1] in LAYERS}
 
 
-def test_the_listed_modules_exist():
-    assert (ROS_SIDE | TOOLS) <= set(modules())
+def test_the_package_is_its_layers():
+    top = {p.name for p in PACKAGE.iterdir() if p.name not in {"__pycache__", "models"}}
+    assert top == {"__init__.py"} | LAYERS, top
+    assert {m.split(".")[0] for m in modules()} == LAYERS
 
 
-def test_the_core_never_imports_ros():
-    for module in set(modules()) - ROS_SIDE - {"cli"}:
-        found = imports(module)
-        ros = {n for n in found if n.split(".")[0] in ROS_PACKAGES
-               or n.startswith(("deltas_ros.msg", "deltas_ros.srv", "deltas_ros.action"))}
-        assert not ros, f"{module} imports {ros}: the core must import without ROS"
-        assert not ours(found) & ROS_SIDE, f"{module} imports the ROS side"
+def test_imports_run_downward_only():
+    for module in modules():
+        layer = module.split(".")[0]
+        for target in ours(imports(module)):
+            if target.split(".")[0] == layer:
+                continue
+            allowed = ALLOWED[layer]
+            assert target.split(".")[0] in allowed or target in allowed, \
+                f"{module} imports {target}: {layer} may import only {sorted(allowed)}"
+
+
+def test_only_the_ros_side_imports_ros():
+    for module in (m for m in modules() if not m.startswith("ros.")):
+        ros = {n for n in imports(module)
+               if n.split(".")[0] in ROS_PACKAGES or n.startswith(GENERATED)}
+        assert not ros, f"{module} imports {ros}: only the ROS side imports ROS"
 
 
 def reachable(module: str) -> set[str]:
-    """Our modules that importing `module` loads, through any chain of imports (generated
-    interfaces, msg/srv/action, are no source modules and are left out)."""
+    """Our modules that importing `module` loads, through any chain of imports."""
     sources, seen, todo = set(modules()), set(), [module]
     while todo:  # bounded: each module is expanded once
         for name in (ours(imports(todo.pop())) & sources) - seen:
@@ -72,19 +96,27 @@ def reachable(module: str) -> set[str]:
     return seen
 
 
-def test_the_node_never_imports_the_tools():
-    """Not even through the core: the model loader once re-exported the tiny-model maker."""
-    for module in NODE:
-        assert not reachable(module) & TOOLS, f"{module} reaches {reachable(module) & TOOLS}"
+def test_the_node_never_reaches_the_tools_or_training():
+    """Not even through the core: the model loader once re-exported the tiny-model maker's
+    training helpers."""
+    for module in modules():
+        if module.startswith("ros.") and module not in {"ros.replay", "ros.ask_client"}:
+            found = {m for m in reachable(module) if m.split(".")[0] in {"tools", "training"}}
+            assert not found, f"{module} reaches {found}"
 
 
 def test_only_the_backend_reaches_into_qwen3_5_modelling():
     users = {m for m in modules()
              if any(n.startswith("transformers.models") for n in imports(m))}
-    assert users == {"backend"}
+    assert users == {"core.backend"}
 
 
 def test_only_the_backend_loader_and_maker_name_transformers():
     """An upgrade of transformers can only break these three (README "Architecture")."""
-    users = {m for m in modules() if "transformers" in (PACKAGE / f"{m}.py").read_text()}
-    assert users == {"backend", "model", "maker"}
+    users = {m for m in modules() if "transformers" in source(m)}
+    assert users == {"core.backend", "core.loader", "core.maker"}
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {m: n for m in modules() if (n := len(source(m).splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"

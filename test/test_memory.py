@@ -15,9 +15,9 @@ from engine_helpers import (
     states,
 )
 
-from deltas_ros.memory import MemoryConfig, StreamingMemory, question_problem
-from deltas_ros.params import BY_NAME
-from deltas_ros.policy import POLICY_NAMES
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory, question_problem
+from deltas_ros.core.policy import POLICY_NAMES
+from deltas_ros.runtime.params import BY_NAME
 
 
 def test_eviction_equals_masking_the_evicted_slots(tiny_model):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deltas_ros.memory_files import (
+from deltas_ros.runtime.files import (
     METADATA_KEY,
     RESET_FILES,
     MemoryFiles,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from deltas_ros.memory_image import GAP, LABEL_H, THUMB_H, THUMB_W, MemoryImage
+from deltas_ros.runtime.image import GAP, LABEL_H, THUMB_H, THUMB_W, MemoryImage
 
 
 def solid(value: int, size=(120, 160)) -> np.ndarray:

@@ -36,8 +36,8 @@ from ros_helpers import (
 )
 from sensor_msgs.msg import CompressedImage, Image
 
-from deltas_ros.memory_files import read_metadata
-from deltas_ros.node import QUESTION_SLOTS
+from deltas_ros.ros.node import QUESTION_SLOTS
+from deltas_ros.runtime.files import read_metadata
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_ask_command_line_prints_the_answer(raw_node, ros_domain):
     # (late on a busy machine): the answer must see both chunks.
     tester.wait_for(lambda: len(tester.drift) >= 2, timeout=120)
     result = subprocess.run(
-        [sys.executable, "-m", "deltas_ros.cli", "ask", "What did you see?",
+        [sys.executable, "-m", "deltas_ros.tools.cli", "ask", "What did you see?",
          "--wait-idle", "--max-new-tokens", "3", "--timeout", "60"],
         env=ros_domain, capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stderr

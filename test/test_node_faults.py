@@ -23,9 +23,9 @@ from ros_helpers import SMALL, Tester, send_goal, set_parameter, status_values, 
 from std_srvs.srv import Trigger
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-from deltas_ros import node as node_module
-from deltas_ros import session as session_module
-from deltas_ros.node import EXECUTOR_THREADS, FINALIZED, NOT_READY, QUESTION_SLOTS, MemoryNode
+from deltas_ros.ros import node as node_module
+from deltas_ros.ros.node import EXECUTOR_THREADS, FINALIZED, NOT_READY, QUESTION_SLOTS, MemoryNode
+from deltas_ros.runtime import session as session_module
 
 
 @contextmanager
@@ -59,7 +59,7 @@ def node_in_process(model_dir: Path, **overrides: str) -> Iterator[MemoryNode]:
 
 
 def type_of(name: str) -> type:
-    from deltas_ros.params import PARAMS
+    from deltas_ros.runtime.params import PARAMS
 
     return type(next(p.default for p in PARAMS if p.name == name))
 

@@ -11,7 +11,7 @@ import pytest
 from deltas_ros.action import AskMemory as AskAction
 from ros_helpers import BASE_STAMP, Tester, indices, send_goal, start, status_values, stop
 
-from deltas_ros.maker import make_model, tiny_config
+from deltas_ros.core.maker import make_model, tiny_config
 
 BIG_VOCAB = 300_000  # embedding + lm_head: 38 M parameters (154 MB) and almost no compute
 MODEL_BYTES = 2 * BIG_VOCAB * tiny_config().text_config.hidden_size * 4

@@ -34,9 +34,9 @@ from ros_helpers import (
 from safetensors.torch import load_file
 from sensor_msgs.msg import Image
 
-from deltas_ros.ask_action import ACTION_SLOTS
-from deltas_ros.memory_image import GAP, LABEL_H, THUMB_H, THUMB_W
-from deltas_ros.poses import Pose
+from deltas_ros.core.poses import Pose
+from deltas_ros.ros.action import ACTION_SLOTS
+from deltas_ros.runtime.image import GAP, LABEL_H, THUMB_H, THUMB_W
 
 REPO = Path(__file__).resolve().parents[1]
 POSE_LEAD = 3.5 / 30  # poses are published this far ahead of the frames (and between them)

@@ -1,9 +1,9 @@
 """A frame with a bad stamp, or a burst of them, sent over DDS to the running node, leaves the
 memory untouched.
 
-The stream clock rule (deltas_ros/frames.py) through the real node: after each attack, the next
-chunks' drift is bit-identical to a clean run's, chunk indices do not restart, and the frames
-are counted as bad.
+The stream clock rule (deltas_ros/core/frames.py) through the real node: after each attack,
+the next chunks' drift is bit-identical to a clean run's, chunk indices do not restart, and
+the frames are counted as bad.
 """
 
 from __future__ import annotations

@@ -21,13 +21,13 @@ import pytest
 from ros_helpers import Tester as NodeTester  # not "Test*": pytest would try to collect it
 from ros_helpers import node_command, stop
 
-from deltas_ros import cli
-from deltas_ros.bag import load_events
-from deltas_ros.frames import FrameError
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.offline import iter_video_frames, read_results, run_stream
-from deltas_ros.replay import replay_bag
-from deltas_ros.synth import synth_stream, write_synth_bag
+from deltas_ros.core.bag import load_events
+from deltas_ros.core.frames import FrameError
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.ros.replay import replay_bag
+from deltas_ros.tools import cli
+from deltas_ros.tools.offline import iter_video_frames, read_results, run_stream
+from deltas_ros.training.synth import synth_stream, write_synth_bag
 
 TOPIC = "/camera/image_raw"
 SECONDS, FPS = 6, 10.0

@@ -145,7 +145,7 @@ def test_a_question_with_bytes_that_are_not_utf8_arrives_with_replacement_charac
     from deltas_ros.srv import AskMemory
     from rclpy.serialization import deserialize_message, serialize_message
 
-    from deltas_ros.memory import question_problem
+    from deltas_ros.core.memory import question_problem
 
     wire = serialize_message(AskMemory.Request(question="where is the cup?"))
     broken = wire.replace(b"cup", b"c\xffp")  # the same length, one invalid byte
@@ -201,8 +201,9 @@ def test_setup_py_installs_the_ros_free_core_and_cli_into_a_plain_venv(tmp_path)
                     "install", "--quiet", "--no-deps", "--no-build-isolation", str(source)],
                    check=True, cwd=tmp_path)
     check = ("import sys; sys.modules['rclpy'] = None\n"
-             "import deltas_ros.memory, deltas_ros.frames, deltas_ros.policy, deltas_ros.cli\n"
-             "print(deltas_ros.memory.__file__)")
+             "import deltas_ros.core.memory, deltas_ros.core.frames, deltas_ros.core.policy\n"
+             "import deltas_ros.tools.cli\n"
+             "print(deltas_ros.core.memory.__file__)")
     out = subprocess.run([str(venv / "bin" / "python"), "-c", check], cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith(str(venv))  # the pip-installed copy, not the ROS build

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deltas_ros import params
-from deltas_ros.model import default_model_path, resolve_pixel_budget
+from deltas_ros.core.loader import default_model_path, resolve_pixel_budget
+from deltas_ros.runtime import params
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = {"model_path": "/models/qwen"}

@@ -11,18 +11,18 @@ from engine_helpers import TINY_FRAMES, assert_same_state, feed, frames_for, fro
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deltas_ros import persist
-from deltas_ros.maker import make_model, tiny_config
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import load_model
-from deltas_ros.persist import (
+from deltas_ros.core import persistence as persist
+from deltas_ros.core.loader import load_model
+from deltas_ros.core.maker import make_model, tiny_config
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.persistence import (
     MemoryFileError,
     config_sha256,
     load_memory,
     save_memory,
     weights_sha256,
 )
-from deltas_ros.poses import Pose
+from deltas_ros.core.poses import Pose
 
 PERSIST_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, compact_margin=64,
                       **TINY_FRAMES)

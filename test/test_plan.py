@@ -14,13 +14,14 @@ import torch
 from engine_helpers import TINY_FRAMES, feed, frames_for
 from transformers import Qwen3_5ForConditionalGeneration
 
-from deltas_ros import cli, params
-from deltas_ros import plan as plan_module
-from deltas_ros.maker import tiny_config
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import read_config
-from deltas_ros.plan import PlanInputs, make_plan, mib
-from deltas_ros.session import Session
+from deltas_ros.core import plan as plan_module
+from deltas_ros.core.loader import read_config
+from deltas_ros.core.maker import tiny_config
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.plan import PlanInputs, make_plan, mib
+from deltas_ros.runtime import params
+from deltas_ros.runtime.session import Session
+from deltas_ros.tools import cli
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 MIB = 2**20

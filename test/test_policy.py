@@ -11,7 +11,7 @@ from engine_helpers import kept_by_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltas_ros.policy import (
+from deltas_ros.core.policy import (
     POLICY_NAMES,
     ChunkSignals,
     _bucket_of,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from deltas_ros.poses import MAX_POSITION_M, Pose, PoseBuffer, interpolate, slerp
+from deltas_ros.core.poses import MAX_POSITION_M, Pose, PoseBuffer, interpolate, slerp
 
 
 def yaw_pose(x: float, yaw: float, frame: str = "map") -> Pose:

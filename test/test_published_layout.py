@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltas_ros import cli, params
-from deltas_ros.maker import make_model
-from deltas_ros.model import load_model, stop_token_ids
-from deltas_ros.session import Session
-from deltas_ros.synth import write_synth_bag
+from deltas_ros.core.loader import load_model, stop_token_ids
+from deltas_ros.core.maker import make_model
+from deltas_ros.runtime import params
+from deltas_ros.runtime.session import Session
+from deltas_ros.tools import cli
+from deltas_ros.training.synth import write_synth_bag
 
 PUBLISHED_FILES = {"config.json", "generation_config.json", "preprocessor_config.json",
                    "video_preprocessor_config.json", "chat_template.jinja", "tokenizer.json",

@@ -17,9 +17,9 @@ from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image
 
-from deltas_ros import replay
-from deltas_ros.replay import replay_bag
-from deltas_ros.synth import write_synth_bag
+from deltas_ros.ros import replay
+from deltas_ros.ros.replay import replay_bag
+from deltas_ros.training.synth import write_synth_bag
 
 REPO = Path(__file__).resolve().parents[1]
 TOPIC = "/camera/image_raw"
@@ -141,7 +141,7 @@ def test_cli_replay_loops_with_clock(bag, tmp_path, ros_env):
     subscriber = subscriber_for(tmp_path, 2 * FRAMES, ros_env)
     replay = None
     try:
-        cli = ["-m", "deltas_ros.cli", "replay", str(bag), "--rate", "3", "--max-loops", "2"]
+        cli = ["-m", "deltas_ros.tools.cli", "replay", str(bag), "--rate", "3", "--max-loops", "2"]
         replay = start([*cli, "--clock", "--topic", TOPIC], ros_env)
         out, err = replay.communicate(timeout=30)
         got = received(subscriber)
@@ -224,7 +224,7 @@ def test_replay_stops_cleanly_on_sigint(bag, ros_env, moment, signum):
     observer = Observer(subscribe)
     replay = None
     try:
-        replay = start(["-c", AS_BACKGROUND_JOB, "-m", "deltas_ros.cli", "replay", str(bag),
+        replay = start(["-c", AS_BACKGROUND_JOB, "-m", "deltas_ros.tools.cli", "replay", str(bag),
                         "--loop", *extra], ros_env)
         observer.wait_for(lambda: ready(observer), replay)
         replay.send_signal(signum)
@@ -286,7 +286,7 @@ def test_a_stop_request_never_unwinds_through_the_bag_reader(bag, monkeypatch):
 
 def test_cli_replay_reports_a_missing_bag(tmp_path, ros_env):
     result = subprocess.run(
-        [sys.executable, "-m", "deltas_ros.cli", "replay", str(tmp_path / "no_bag")],
+        [sys.executable, "-m", "deltas_ros.tools.cli", "replay", str(tmp_path / "no_bag")],
         cwd=REPO,
         env=ros_env,
         capture_output=True,

@@ -16,12 +16,12 @@ from deltas_ros.srv import AskMemory
 from geometry_msgs.msg import PoseStamped, PoseWithCovarianceStamped
 from nav_msgs.msg import Odometry
 
-from deltas_ros import ros_memory
-from deltas_ros.memory_results import Answer
-from deltas_ros.poses import Pose, PoseBuffer
-from deltas_ros.ros_adapters import to_time_msg
-from deltas_ros.ros_memory import POSE_TYPES, PoseInput, fill_answer, pose_of
-from deltas_ros.slots import SlotTable
+from deltas_ros.core.poses import Pose, PoseBuffer
+from deltas_ros.core.results import Answer
+from deltas_ros.core.slots import SlotTable
+from deltas_ros.ros import memory_io as ros_memory
+from deltas_ros.ros.adapters import to_time_msg
+from deltas_ros.ros.memory_io import POSE_TYPES, PoseInput, fill_answer, pose_of
 
 STAMP = 1_700_000_000.25
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from deltas_ros.questions import (
+from deltas_ros.training.questions import (
     FORMS,
     QA,
     TEMPLATES,
@@ -22,8 +22,15 @@ from deltas_ros.questions import (
     objects_of,
     sample_questions,
 )
-from deltas_ros.synth import BUSY, COLOURS, SHAPES, SceneOptions, SceneStream, scene_stream
-from deltas_ros.train import scene_tokenizer
+from deltas_ros.training.synth import (
+    BUSY,
+    COLOURS,
+    SHAPES,
+    SceneOptions,
+    SceneStream,
+    scene_stream,
+)
+from deltas_ros.training.train import scene_tokenizer
 
 OPTIONS = SceneOptions(objects=(3, 3), cuts=(1, 1), distractors=(1, 2))
 

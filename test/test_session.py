@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from engine_helpers import wait_until
 
-from deltas_ros import params
-from deltas_ros import session as session_module
-from deltas_ros.frames import FrameError, SampledChunk
-from deltas_ros.memory import StreamingMemory
-from deltas_ros.memory_files import MemoryFiles
-from deltas_ros.persist import load_memory
-from deltas_ros.session import (
+from deltas_ros.core.frames import FrameError, SampledChunk
+from deltas_ros.core.memory import StreamingMemory
+from deltas_ros.core.persistence import load_memory
+from deltas_ros.runtime import params
+from deltas_ros.runtime import session as session_module
+from deltas_ros.runtime.files import MemoryFiles
+from deltas_ros.runtime.session import (
     FRAME_ID_MAX,
     LATENCY_WINDOW,
     NOT_READY,

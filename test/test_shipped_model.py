@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltas_ros.cli import main
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import default_model_path, load_model, resolve_pixel_budget
-from deltas_ros.policy import ChunkSignals, RetentionPolicy
-from deltas_ros.questions import QA, answer_for, is_correct, objects_of
-from deltas_ros.synth import SceneOptions, SceneStream, write_synth_bag
-from deltas_ros.train import VALIDATION_SEEDS, sampled_chunks
+from deltas_ros.core.loader import default_model_path, load_model, resolve_pixel_budget
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.policy import ChunkSignals, RetentionPolicy
+from deltas_ros.tools.cli import main
+from deltas_ros.training.questions import QA, answer_for, is_correct, objects_of
+from deltas_ros.training.synth import SceneOptions, SceneStream, write_synth_bag
+from deltas_ros.training.train import VALIDATION_SEEDS, sampled_chunks
 
 # Held-out streams (seeds below VALIDATION_SEEDS never reach training or model selection),
 # picked among those the shipped model answers right, with a circle in view early on.

@@ -22,7 +22,7 @@ import torch
 from engine_helpers import TINY_FRAMES, frames_for
 from torch.overrides import TorchFunctionMode
 
-from deltas_ros.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 
 T = torch.Tensor
 READS = {T.item, T.tolist, T.cpu, T.numpy, T.__bool__, T.__int__, T.__float__, T.__index__,

@@ -1,4 +1,4 @@
-"""The synth camera stream and its rosbag2 bags: readable by rclpy and `deltas_ros.bag`, exact
+"""The synth camera stream and its rosbag2 bags: readable by rclpy and `deltas_ros.core.bag`, exact
 stamps, round-tripping pixels, events that really are in the pixels, and clear errors."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import cv2
 import numpy as np
 import pytest
 
-from deltas_ros.bag import BagImage, image_topics, load_events, read_images
-from deltas_ros.cli import main
-from deltas_ros.synth import synth_stream, write_synth_bag
+from deltas_ros.core.bag import BagImage, image_topics, load_events, read_images
+from deltas_ros.tools.cli import main
+from deltas_ros.training.synth import synth_stream, write_synth_bag
 
 DURATION, FPS, WIDTH, HEIGHT = 4.0, 10.0, 160, 120
 START = 1_700_000_000.25  # a fractional start: nanosec must carry the .25 exactly

@@ -13,13 +13,13 @@ import shutil
 import pytest
 from engine_helpers import TINY_FRAMES, feed
 
-from deltas_ros import asking
-from deltas_ros.cli import main
-from deltas_ros.maker import CHAT_TEMPLATE
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import default_model_path, load_model
-from deltas_ros.prompt import ChatLayout
-from deltas_ros.synth import SceneOptions, write_synth_bag
+from deltas_ros.core import asking
+from deltas_ros.core.loader import default_model_path, load_model
+from deltas_ros.core.maker import CHAT_TEMPLATE
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.prompt import ChatLayout
+from deltas_ros.tools.cli import main
+from deltas_ros.training.synth import SceneOptions, write_synth_bag
 
 CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 OPEN = "<|im_start|>assistant\n<think>\n"

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltas_ros.chunks import ChunkBuilder
-from deltas_ros.memory import MemoryConfig, StreamingMemory
-from deltas_ros.model import LoadedModel, load_model, resolve_pixel_budget
-from deltas_ros.prompt import ChatLayout
-from deltas_ros.synth import COLOURS, SHAPES, SceneStream
-from deltas_ros.train import (
+from deltas_ros.core.chunks import ChunkBuilder
+from deltas_ros.core.loader import LoadedModel, load_model, resolve_pixel_budget
+from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.prompt import ChatLayout
+from deltas_ros.training.synth import COLOURS, SHAPES, SceneStream
+from deltas_ros.training.train import (
     VISION_SEEDS,
     Stage,
     TrainConfig,
@@ -39,7 +39,7 @@ TINY = dict(batch=2, questions=3, warmup=1, validation_streams=2, validation_sec
 
 @pytest.fixture(scope="module")
 def scene_model():
-    from deltas_ros.backend import select_gated_delta_kernels
+    from deltas_ros.core.backend import select_gated_delta_kernels
 
     tokenizer = scene_tokenizer()
     model = new_model(TrainConfig(**TINY), tokenizer).eval().requires_grad_(False)
@@ -144,7 +144,7 @@ def test_train_checkpoint_export_and_resume(tmp_path):
 def test_busy_config_continues_the_shipped_model_and_resumes(tmp_path):
     """config/train_busy.yaml loads, starts from the shipped model's weights (not a fresh
     initialization) on busy streams, and two steps resumed for a third equal three straight."""
-    from deltas_ros.model import SHIPPED_MODEL
+    from deltas_ros.core.loader import SHIPPED_MODEL
 
     root = Path(__file__).parents[1]
     short = [replace(s, seconds=(2, 3)) for s in

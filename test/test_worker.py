@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from engine_helpers import wait_until
 
-from deltas_ros.frames import SampledChunk
-from deltas_ros.worker import MemoryWorker
+from deltas_ros.core.frames import SampledChunk
+from deltas_ros.runtime.worker import MemoryWorker
 
 
 @dataclass

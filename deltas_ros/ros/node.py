@@ -45,13 +45,12 @@ from rclpy.lifecycle import LifecycleNodeMixin, LifecycleState, TransitionCallba
 from rclpy.node import Node
 from sensor_msgs.msg import CompressedImage, Image
 
-from . import params
-from .ask_action import ACTION_SLOTS, AskActionServer
-from .cdr import raw_header, raw_stamp
-from .frames import decode_message
-from .memory_services import QUESTION_SLOTS, MemoryServices
-from .msg import DriftScore
-from .ros_adapters import (
+from ..core.frames import decode_message
+from ..msg import DriftScore
+from ..runtime import params
+from ..runtime.session import NOT_ACTIVE, NOT_CONFIGURED, NOT_READY, Level, Session, loading_health
+from .action import ACTION_SLOTS, AskActionServer
+from .adapters import (
     CameraSubscription,
     camera_topic,
     declare_parameters,
@@ -60,8 +59,9 @@ from .ros_adapters import (
     drift_message,
     log_frame_outcome,
 )
-from .ros_memory import MemoryImageTopic, PoseInput, pose_stamped
-from .session import NOT_ACTIVE, NOT_CONFIGURED, NOT_READY, Level, Session, loading_health
+from .cdr import raw_header, raw_stamp
+from .memory_io import MemoryImageTopic, PoseInput, pose_stamped
+from .services import QUESTION_SLOTS, MemoryServices
 
 __all__ = ["EXECUTOR_THREADS", "FINALIZED", "NOT_READY", "QUESTION_SLOTS", "SHUTDOWN_S",
            "MemoryNode"]

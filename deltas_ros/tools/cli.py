@@ -33,7 +33,7 @@ def make_model_command(args: argparse.Namespace) -> int:
     """Write a random-init Qwen3.5 (weights, tokenizer, processor) that loads like real weights."""
     import torch
 
-    from .maker import config_from_file, make_model, tiny_config
+    from ..core.maker import config_from_file, make_model, tiny_config
 
     config = config_from_file(args.config) if args.config else tiny_config()
     dtype = getattr(torch, args.dtype)
@@ -46,8 +46,8 @@ def make_model_command(args: argparse.Namespace) -> int:
 
 def synth_command(args: argparse.Namespace) -> int:
     """Write a generated camera stream with known events as a rosbag2 (plus events.json)."""
-    from .bag import load_events
-    from .synth import BUSY, SceneOptions, write_synth_bag
+    from ..core.bag import load_events
+    from ..training.synth import BUSY, SceneOptions, write_synth_bag
 
     out = write_synth_bag(
         args.out_bag,
@@ -70,15 +70,15 @@ def synth_command(args: argparse.Namespace) -> int:
 
 def replay_command(args: argparse.Namespace) -> int:
     """Publish a bag's camera topics live on the recorded time line (like `ros2 bag play`)."""
-    from .replay import replay_command as run
+    from ..ros.replay import replay_command as run
 
     return run(args)
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Feed a bag or video file through the memory at the node's sampling, without ROS."""
-    from .memory import MemoryConfig, StreamingMemory
-    from .model import load_model, resolve_model_path, resolve_pixel_budget
+    from ..core.loader import load_model, resolve_model_path, resolve_pixel_budget
+    from ..core.memory import MemoryConfig, StreamingMemory
     from .offline import open_source, run_file
 
     model = resolve_model_path(args.model)
@@ -116,9 +116,14 @@ def plan_command(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .chunks import DEFAULT_PIXEL_BUDGET
-    from .model import resolve_device, resolve_dtype, resolve_model_path, resolve_pixel_budget
-    from .plan import PlanInputs, markdown_table, plan_for_path
+    from ..core.chunks import DEFAULT_PIXEL_BUDGET
+    from ..core.loader import (
+        resolve_device,
+        resolve_dtype,
+        resolve_model_path,
+        resolve_pixel_budget,
+    )
+    from ..core.plan import PlanInputs, markdown_table, plan_for_path
 
     sources = args.config or [resolve_model_path(path) for path in args.model or [None]]
     height, width = parse_frame(args.frame)
@@ -167,7 +172,7 @@ def plot_command(args: argparse.Namespace) -> int:
 
 def ask_command(args: argparse.Namespace) -> int:
     """Ask a running memory node a question (its ~/ask_memory service)."""
-    from .ask_client import ask, format_response
+    from ..ros.ask_client import ask, format_response
 
     try:
         response = ask(args.question, args.node, args.max_new_tokens, args.timeout,
@@ -179,8 +184,8 @@ def ask_command(args: argparse.Namespace) -> int:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """Train the tiny scene model (a Qwen3.5) on generated streams; see deltas_ros/train.py."""
-    from .train import TrainConfig, Trainer
+    """Train the tiny scene model (a Qwen3.5) on generated streams; see training/train.py."""
+    from ..training.train import TrainConfig, Trainer
 
     cfg = TrainConfig.from_file(args.config, seed=args.seed, max_minutes=args.max_minutes,
                                 max_steps=args.max_steps, threads=args.threads)

@@ -19,12 +19,12 @@ from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_srvs.srv import Trigger
 
-from .ask_action import window
-from .memory_files import MemoryPathError
-from .ros_adapters import BoundedCallbackGroup, replying
-from .ros_memory import fill_answer
-from .session import NOT_READY, STOPPED, Session
-from .srv import AskMemory, MemoryFile
+from ..runtime.files import MemoryPathError
+from ..runtime.session import NOT_READY, STOPPED, Session
+from ..srv import AskMemory, MemoryFile
+from .action import window
+from .adapters import BoundedCallbackGroup, replying
+from .memory_io import fill_answer
 
 SERVICE_QUEUE = 100  # requests held per service beyond those being served; more are dropped
 QUESTION_SLOTS = 4  # questions handed to the worker at once

@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .frames import FrameGate, FrameSampler, GateOutcome, SampledChunk, TimeEvent
-from .memory import ChunkResult, MemoryStats, StreamingMemory, question_problem
-from .memory_files import MemoryFiles, MemoryPathError, read_key, read_metadata
-from .model import load_model
+from ..core.frames import FrameGate, FrameSampler, GateOutcome, SampledChunk, TimeEvent
+from ..core.loader import load_model
+from ..core.memory import ChunkResult, MemoryStats, StreamingMemory, question_problem
+from ..core.persistence import load_memory, save_memory
+from ..core.plan import require_fit
+from ..core.poses import Pose
+from .files import MemoryFiles, MemoryPathError, read_key, read_metadata
 from .params import BY_NAME, memory_config, validate
-from .persist import load_memory, save_memory
-from .plan import require_fit
-from .poses import Pose
 from .worker import MemoryWorker
 
 ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or operation

@@ -28,7 +28,7 @@ from .chunks import DEFAULT_PIXEL_BUDGET
 
 # The model shipped with the package (README "The shipped model"): used wherever a model path is
 # optional and left empty. MODEL_INFO_FILE beside a model's weights records how it was trained.
-SHIPPED_MODEL = Path(__file__).parent / "models" / "scenes-tiny"
+SHIPPED_MODEL = Path(__file__).parents[1] / "models" / "scenes-tiny"
 MODEL_INFO_FILE = "deltas_model.json"
 # A published checkpoint lists its stop tokens here (`eos_token_id`: one id or a list).
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .frames import SampledChunk
-from .memory import Answer, ChunkResult, StreamingMemory
-from .poses import Pose
+from ..core.frames import SampledChunk
+from ..core.memory import Answer, ChunkResult, StreamingMemory
+from ..core.poses import Pose
 
 
 @dataclass

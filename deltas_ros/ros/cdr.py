@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 
-from .frames import UNSET_STAMP, stamp_to_seconds
+from ..core.frames import UNSET_STAMP, stamp_to_seconds
 
 CDR_BE, CDR_LE = b"\x00\x00", b"\x00\x01"
 _STAMP = {CDR_BE: struct.Struct(">iI"), CDR_LE: struct.Struct("<iI")}  # sec, nanosec

@@ -33,10 +33,10 @@ from rclpy.qos import (
 from rclpy.serialization import deserialize_message
 from std_msgs.msg import Header
 
-from . import params
-from .frames import FrameError, GateOutcome, SampledChunk, TimeEvent
-from .memory import ChunkResult
-from .msg import DriftScore
+from ..core.frames import FrameError, GateOutcome, SampledChunk, TimeEvent
+from ..core.memory import ChunkResult
+from ..msg import DriftScore
+from ..runtime import params
 
 CAMERA_SPIN_S = 0.1  # the camera thread's wait per spin: how soon it sees a stop
 HISTORIES = {"keep_last": HistoryPolicy.KEEP_LAST, "keep_all": HistoryPolicy.KEEP_ALL}

@@ -22,7 +22,7 @@ import numpy as np
 from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
 
-from .bag import EVENTS_FILE
+from ..core.bag import EVENTS_FILE
 
 NS_PER_S = 1_000_000_000
 

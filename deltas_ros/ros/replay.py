@@ -2,7 +2,7 @@
 
 Each message's stored CDR bytes are published unchanged, on the recorded time line scaled by
 `rate`, so a subscriber receives exactly what was recorded. Only image topics are replayed; the
-bag is read through `deltas_ros.bag`, so MCAP and sqlite3 bags both work.
+bag is read through `deltas_ros.core.bag`, so MCAP and sqlite3 bags both work.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rclpy.publisher import Publisher
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from rosgraph_msgs.msg import Clock
 
-from .bag import image_topics, read_images
+from ..core.bag import image_topics, read_images
 
 NS_PER_S = 1_000_000_000
 ACK_TIMEOUT_S = 2.0

@@ -13,7 +13,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
-from .srv import AskMemory
+from ..srv import AskMemory
 
 
 def ask(question: str, node_name: str = "/deltas_memory", max_new_tokens: int = 0,

@@ -60,8 +60,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .loader import config_sha256
 from .memory import MemoryState, StreamingMemory
-from .model import config_sha256
 from .poses import Pose
 from .slots import MAX_CHUNKS
 from .state_check import expected_tensors

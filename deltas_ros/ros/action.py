@@ -19,9 +19,9 @@ from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.node import Node
 
-from .action import AskMemory
-from .ros_memory import fill_answer
-from .session import STOPPED
+from ..action import AskMemory
+from ..runtime.session import STOPPED
+from .memory_io import fill_answer
 
 ACTION_SLOTS = 2  # goals accepted at once (each holds an executor thread while it runs)
 

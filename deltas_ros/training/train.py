@@ -43,17 +43,17 @@ import torch.nn.functional as F
 from tokenizers import AddedToken
 from tqdm import tqdm
 
-from .backend import repeat_cache, select_gated_delta_kernels, training_cache
-from .chunks import ChunkBuilder
-from .maker import (
+from ..core.backend import repeat_cache, select_gated_delta_kernels, training_cache
+from ..core.chunks import ChunkBuilder
+from ..core.loader import MODEL_INFO_FILE, load_model
+from ..core.maker import (
     TINY_VISION_START_ID,
     init_model,
     make_processor,
     make_tokenizer,
     tiny_config,
 )
-from .model import MODEL_INFO_FILE, load_model
-from .prompt import ChatLayout
+from ..core.prompt import ChatLayout
 from .questions import (
     DOMAIN_WORDS,
     FORMS,
@@ -234,7 +234,7 @@ def new_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
 def init_path(init: str) -> Path:
     """`init` as given if it exists, else relative to the package's parent directory."""
     path = Path(init)
-    return path if path.exists() or path.is_absolute() else Path(__file__).parents[1] / path
+    return path if path.exists() or path.is_absolute() else Path(__file__).parents[2] / path
 
 
 def load_init(model: torch.nn.Module, tokenizer, path: Path) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import EVIDENCE_BATCH_BYTES, Backend, evidence_rows
-from .memory_config import MemoryConfig, question_problem
+from .config import MemoryConfig, question_problem
 from .slots import SlotTable
 
 

@@ -43,8 +43,8 @@ from .backend import (
     evidence_rows,
 )
 from .chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
-from .memory_config import MemoryConfig
-from .model import Qwen3_5Config, parameter_count, read_config, resolve_device, resolve_dtype
+from .config import MemoryConfig
+from .loader import Qwen3_5Config, parameter_count, read_config, resolve_device, resolve_dtype
 
 # Text tokens of a chunk besides its video tokens: "<123.4 seconds>" (Qwen's tokenizer splits
 # digits: about 8 tokens) and <|vision_start|>, <|vision_end|>.

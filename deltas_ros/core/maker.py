@@ -25,7 +25,7 @@ from transformers import (
 
 from .backend import linear_attention_modules
 from .chunks import DEFAULT_PIXEL_BUDGET
-from .model import read_config
+from .loader import read_config
 
 # Offsets of Qwen's special tokens from <|vision_start|>, as in Qwen2.5/3/3.5's vocabularies.
 SPECIAL_TOKEN_OFFSETS = {

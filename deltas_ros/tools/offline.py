@@ -32,8 +32,8 @@ import numpy as np
 from rosbags.rosbag2 import Reader
 from tqdm import tqdm
 
-from .bag import image_topics, load_events, read_images
-from .frames import (
+from ..core.bag import image_topics, load_events, read_images
+from ..core.frames import (
     FrameError,
     FrameGate,
     FrameSampler,
@@ -44,7 +44,7 @@ from .frames import (
 )
 
 if TYPE_CHECKING:  # the memory (torch, the model) is not needed to read or plot results
-    from .memory import ChunkResult, StreamingMemory
+    from ..core.memory import ChunkResult, StreamingMemory
 
 log = logging.getLogger(__name__)
 

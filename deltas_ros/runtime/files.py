@@ -22,7 +22,7 @@ import stat
 import struct
 from pathlib import Path
 
-METADATA_KEY = "deltas_ros.memory"  # persist.METADATA_KEY (not imported: that pulls in torch)
+METADATA_KEY = "deltas_ros.memory"  # persistence.METADATA_KEY (not imported: that pulls in torch)
 DEFAULT_NAME = "memory.safetensors"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
 MIN_KEY_BYTES = 16

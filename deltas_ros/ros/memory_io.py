@@ -17,11 +17,11 @@ from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image
 
-from .frames import message_stamp
-from .memory import Answer, ChunkResult
-from .memory_image import MemoryImage
-from .poses import Pose, PoseBuffer
-from .ros_adapters import to_time_msg
+from ..core.frames import message_stamp
+from ..core.memory import Answer, ChunkResult
+from ..core.poses import Pose, PoseBuffer
+from ..runtime.image import MemoryImage
+from .adapters import to_time_msg
 
 POSE_TYPES = {"odometry": Odometry, "pose_stamped": PoseStamped,
               "pose_with_covariance": PoseWithCovarianceStamped}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .memory_results import MemoryState
+from .results import MemoryState
 from .slots import MAX_CHUNKS, SlotTable
 
 

@@ -31,18 +31,18 @@ import torch
 from .asking import Evidence, accept_question, answer_question, window_slots
 from .backend import Backend, StateSnapshot
 from .chunks import Chunk, ChunkBuilder
-from .memory_config import (
+from .config import (
     ChunkFailed,
     MemoryConfig,
     QuestionFailed,
     question_problem,
     raise_rolled_back,
 )
-from .memory_results import Answer, ChunkResult, MemoryState, MemoryStats
-from .model import LoadedModel, stop_token_ids
+from .loader import LoadedModel, stop_token_ids
 from .policy import ChunkSignals, make_policy, select_keep, select_runs
 from .poses import Pose
 from .prompt import THINK_END, ChatLayout
+from .results import Answer, ChunkResult, MemoryState, MemoryStats
 from .slots import PREFIX_CHUNK, SlotTable, fill_plan
 from .state_check import check_state
 

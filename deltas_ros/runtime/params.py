@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .memory import MemoryConfig
-from .model import resolve_model_path, resolve_pixel_budget
-from .policy import POLICY_NAMES
+from ..core.loader import resolve_model_path, resolve_pixel_budget
+from ..core.memory import MemoryConfig
+from ..core.policy import POLICY_NAMES
 
 DEVICES = ("auto", "cpu", "cuda")
 MIN_PIXEL_BUDGET = 32 * 32
