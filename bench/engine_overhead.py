@@ -34,13 +34,14 @@ from typing import Any
 
 import torch
 
-from deltas_ros.core.backend import fill_slots, move_slots
+from deltas_ros.core.backend import move_slots
 from deltas_ros.core.drift import stacked_drift, write_strength
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.maker import config_from_file
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES, select_keep, select_runs
-from deltas_ros.core.slots import SlotTable, fill_plan
+from deltas_ros.core.reference import gather_table
+from deltas_ros.core.slots import SlotTable
 from deltas_ros.training.synth import synth_stream
 
 from .common import (
@@ -207,15 +208,15 @@ def micro(device: torch.device, dtype: torch.dtype, text, budget: int, chunk_tok
         t3 = now(device)
         keep_dev = keep.to(device)
         kept = [t.index_select(-2, keep_dev) for t in cache]
-        slots = table.select(keep)
+        slots = gather_table(table, keep)
         t4 = now(device)
         del kept, slots  # freeing the gathered copies is part of neither timing
         t5 = now(device)
-        # The engine's default: only the evicted slots' replacements move (Backend.fill).
-        holes, movers = fill_plan(keep, total)
+        # The engine's choice by slots (per-token policies): only the evicted slots'
+        # replacements move, as slot ranges (keep_slots + move_slots).
         size = keep.numel()
-        filled = fill_slots(cache, holes.to(device), movers.to(device), size)
-        slots = table.fill(holes, movers, size)
+        slots, moves = table.keep_slots(keep)
+        filled = move_slots(cache, moves, size, lambda index: index.to(device))
         t6 = now(device)
         del filled, slots
         # The engine's eviction under a per-chunk policy: runs chosen, slot ranges moved.
@@ -283,7 +284,7 @@ def report(results: dict[str, Any], cuda: bool) -> str:
         [f"eviction: gather K and V ({m['kv_mib_at_budget']:.0f} MiB kept) + bookkeeping",
          f"{m['gather_ms']:.3f}", "", FLOOR_MS["gather"]],
         ["eviction total (gather)", f"{m['evict_ms']:.3f}", PAPER["evict_ms"], ""],
-        ["eviction: fill the evicted slots' holes (the engine's default) + bookkeeping",
+        ["eviction: fill the evicted slots' holes, chosen by slots (keep_slots + move_slots)",
          f"{m['fill_ms']:.3f}", "", ""],
         ["eviction total (fill)", f"{m['evict_fill_ms']:.3f}", PAPER["evict_ms"], ""],
         ["eviction: select_runs over the runs of slots (the engine, per-chunk policies)",

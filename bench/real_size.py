@@ -6,7 +6,7 @@ Why: every other table runs the tiny test model; the product runs Qwen3.5 0.8B t
 forward keeps up with a 2 fps camera (real-time factor), the signal's and the eviction's share
 of it, whether the process stays flat once M is reached, and what a question costs with and
 without evidence, on the evidence search's old path (one forward per candidate, each over a
-copy of the K/V without the chunk: `asking.leave_one_out`) and the path questions use (the
+copy of the K/V without the chunk: `reference.leave_one_out`) and the path questions use (the
 candidates as rows of batched forwards over the cache as it is: `leave_one_out_batched`).
 
 How, per --dtypes (one model in memory at a time): the model is built in memory by
@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
-from deltas_ros.core.asking import by_drop, leave_one_out, leave_one_out_batched
+from deltas_ros.core.asking import by_drop, leave_one_out_batched
 from deltas_ros.core.backend import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.reference import leave_one_out
 
 from .bounded_memory import rss_bytes
 from .common import (

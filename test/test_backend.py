@@ -17,7 +17,7 @@ from transformers import AutoModelForImageTextToText
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltas_ros.core import backend, rope
+from deltas_ros.core import backend, reference, rope
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 
@@ -131,10 +131,10 @@ def test_sliced_attention_mass_equals_the_one_shot_reference(slice_rows):
     queries = torch.randn(1, heads, length, dim, generator=gen)
     keys = torch.randn(1, kv_heads, total, dim, generator=gen)
     slots = total - length
-    reference = backend.attention_mass_reference(queries, keys, 0.17, 2, slots)
+    one_shot = reference.attention_mass_reference(queries, keys, 0.17, 2, slots)
     sliced = backend.attention_mass_of(queries, keys, 0.17, 2, slots,
                                        slice_elements=slice_rows * heads * total)
-    torch.testing.assert_close(sliced, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sliced, one_shot, rtol=1e-6, atol=1e-6)
 
 
 def test_evidence_mass_equals_eager_attention_weights(tiny_model_dir, tiny_model):

@@ -9,7 +9,9 @@ from engine_helpers import TINY_FRAMES, feed, frames_for, kept_by_runs, kv, next
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from deltas_ros.core import memory as memory_module
+from deltas_ros.core import reference
 from deltas_ros.core.memory import PREFIX_CHUNK, MemoryConfig, StreamingMemory
+from deltas_ros.core.reference import gather_evict
 from deltas_ros.core.rope import compacted_positions
 
 COMPACTION_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
@@ -70,8 +72,8 @@ def raw_keys(model, full_layers: list[int]):
     """Keys before rotary embedding, in arrival order, kept aligned with the next memory's slots.
 
     Each full-attention layer's k_norm output (the key just before RoPE) is appended per forward;
-    evictions are mirrored by wrapping `select_keep` and `select_runs` (whichever the eviction
-    takes). Yields {layer index: (1, kv_heads, T, d)}.
+    evictions are mirrored by wrapping `select_keep` and `select_runs` (whichever the eviction,
+    or the reference's, takes). Yields {layer index: (1, kv_heads, T, d)}.
     """
     raw: dict[int, torch.Tensor] = {}
 
@@ -97,10 +99,12 @@ def raw_keys(model, full_layers: list[int]):
         return kept
 
     memory_module.select_keep, memory_module.select_runs = mirrored, mirrored_runs
+    reference.select_keep = mirrored  # gather_evict's choice
     try:
         yield raw
     finally:
         memory_module.select_keep, memory_module.select_runs = select_keep, select_runs
+        reference.select_keep = select_keep
         for hook in hooks:
             hook.remove()
 
@@ -122,8 +126,8 @@ def in_arrival_order(tensor: torch.Tensor, memory: StreamingMemory) -> torch.Ten
     return tensor[..., order] if tensor.dim() < 4 else tensor[..., order, :]
 
 
-@pytest.mark.parametrize("eviction", ["fill", "gather"])
-def test_compaction_re_rotates_keys_exactly(tiny_model, eviction):
+@pytest.mark.parametrize("gather", [False, True])
+def test_compaction_re_rotates_keys_exactly(tiny_model, gather):
     """Compaction changes exactly one thing: each cached key becomes RoPE(raw key, new position).
 
     Claim checked: (a) after compaction every full-attention layer's cached keys equal the model's
@@ -138,8 +142,9 @@ def test_compaction_re_rotates_keys_exactly(tiny_model, eviction):
     full = [i for i, kind in enumerate(tiny_model.model.config.text_config.layer_types)
             if kind == "full_attention"]
     with torch.inference_mode(), raw_keys(tiny_model.model, full) as raw:
-        memory = StreamingMemory(tiny_model, MemoryConfig(eviction=eviction,
-                                                          **COMPACTION_CONFIG))
+        memory = StreamingMemory(tiny_model, MemoryConfig(**COMPACTION_CONFIG))
+        if gather:  # the reference eviction: the slots stay in arrival order
+            memory.evict_to_budget = lambda: gather_evict(memory)
         feed(memory, range(12))
     old_positions, old_end = memory.slots.position, memory.next_position
     for i in full:  # the harness itself: cached keys are RoPE(raw, original positions)

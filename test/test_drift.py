@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltas_ros.core.drift import stacked_drift, state_drift, state_drift_reference, write_strength
+from deltas_ros.core.drift import stacked_drift, state_drift, write_strength
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.reference import state_drift_reference
 
 
 def test_drift_equals_hand_computation():

@@ -1,6 +1,7 @@
-"""Eviction that moves only what it must ("fill") against the gather path it replaced, and its
-choice by runs of slots (select_runs, SlotTable.keep_runs, Backend.move) against the choice by
-slots (select_keep, fill_plan, SlotTable.fill, Backend.fill).
+"""The engine's one eviction path, which moves only what it must (slot-range moves filling the
+evicted slots, chosen by runs: select_runs + SlotTable.keep_runs, or by slots: select_keep +
+SlotTable.keep_slots; Backend.move), against the references in core/reference.py: every kept
+slot gathered (gather_evict), and one index per slot (fill_plan, fill_table, fill_cache).
 
 Attention does not care where a key sits in the cache, so filling the holes of the evicted slots
 with the last kept slots must give the same memory as gathering every kept slot, seen in arrival
@@ -14,10 +15,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltas_ros.core import memory as memory_module
+from deltas_ros.core.backend import Backend
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.persistence import load_memory, save_memory
 from deltas_ros.core.policy import POLICY_NAMES, select_keep, select_runs
-from deltas_ros.core.slots import PREFIX_CHUNK, SlotTable, fill_plan
+from deltas_ros.core.reference import (
+    fill_cache,
+    fill_plan,
+    fill_table,
+    gather_evict,
+    gather_table,
+)
+from deltas_ros.core.slots import PREFIX_CHUNK, SlotTable
 
 STREAM = dict(budget_tokens=150, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
 
@@ -41,17 +50,24 @@ def arrival_view(slots: SlotTable) -> dict[str, torch.Tensor]:
 
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(1, 6), min_size=2, max_size=12), data=st.data())
-def test_fill_plan_moves_only_the_evicted_count_and_keeps_the_same_slots(sizes, data):
+def test_keep_slots_moves_only_the_evicted_count_and_keeps_the_same_slots(sizes, data):
+    """keep_slots' range moves pair the same slots as fill_plan's indices, and give the
+    gathered table's rows once read in arrival order."""
     slots = table(sizes)
     total = len(slots)
     kept = torch.tensor(sorted(data.draw(st.sets(st.integers(0, total - 1), min_size=1))))
     holes, movers = fill_plan(kept, total)
     assert holes.numel() == movers.numel() <= total - kept.numel()
-    filled, gathered = slots.fill(holes, movers, kept.numel()), slots.select(kept)
-    assert len(filled) == kept.numel()
+    ours, moves = slots.keep_slots(kept[torch.randperm(kept.numel())])
+    assert [to + i for to, _, n in moves for i in range(n)] == holes.tolist()
+    assert [source + i for _, source, n in moves for i in range(n)] == movers.tolist()
+    filled, gathered = fill_table(slots, holes, movers, kept.numel()), gather_table(slots, kept)
+    assert len(ours) == len(filled) == kept.numel()
+    for name, tensor in filled.export().items():
+        assert torch.equal(ours.export()[name], tensor), name
     for name, tensor in arrival_view(gathered).items():
-        assert torch.equal(arrival_view(filled)[name], tensor), name
-    assert filled.stamps == gathered.stamps
+        assert torch.equal(arrival_view(ours)[name], tensor), name
+    assert ours.stamps == filled.stamps == gathered.stamps
 
 
 def rows_of(slots: SlotTable) -> SlotTable:
@@ -71,10 +87,11 @@ def slots_by_run(runs) -> list[tuple[int, float, float, int]]:
                        min_size=2, max_size=24),
        budget=st.integers(14, 40), sinks=st.integers(0, 4), window=st.integers(0, 10),
        buckets=st.integers(1, 4), derive=st.lists(st.booleans(), min_size=24, max_size=24))
-def test_keep_runs_gives_the_table_and_slot_pairs_of_fill_plan(chunks, budget, sinks, window,
+def test_keep_runs_gives_the_table_and_slot_pairs_of_keep_slots(chunks, budget, sinks, window,
                                                                buckets, derive):
     """A stream of evictions by runs (chunks of one score, or None: scores per token), each
-    against fill_plan + fill on the same table and the kept slots select_keep chooses: the same
+    against keep_slots (and fill_plan + fill_table) on the same table and the kept slots
+    select_keep chooses: the same
     rows bit for bit, the same hole/mover pairs, and runs that describe the rows (as derived
     from them). `derive` rebuilds the table slot by slot first, as a load does."""
     slots = SlotTable().append(0.0, PREFIX_CHUNK, torch.full((2,), float("inf")),
@@ -98,52 +115,63 @@ def test_keep_runs_gives_the_table_and_slot_pairs_of_fill_plan(chunks, budget, s
                                                   window, buckets).numpy()])
         holes, movers = fill_plan(kept, len(slots))
         ours, moves = slots.keep_runs(kept_runs)
-        reference = slots.fill(holes, movers, kept.numel())
+        by_slots, slot_moves = slots.keep_slots(kept)
+        reference = fill_table(slots, holes, movers, kept.numel())
         for name, tensor in reference.export().items():
             assert torch.equal(ours.export()[name], tensor), name
-        assert ours.stamps == reference.stamps
+            assert torch.equal(by_slots.export()[name], tensor), name
+        assert ours.stamps == by_slots.stamps == reference.stamps
+        assert moves == slot_moves
         assert [to + i for to, _, n in moves for i in range(n)] == holes.tolist()
         assert [source + i for _, source, n in moves for i in range(n)] == movers.tolist()
         assert slots_by_run(ours.runs()) == slots_by_run(rows_of(ours).runs())
         slots = ours
 
 
-def test_backend_move_equals_fill_on_the_cache(tiny_model):
-    """Moves from one range (the slice path) and from scattered slots (the index path)."""
+def test_backend_move_equals_fill_cache(tiny_model):
+    """Moves from one range (the slice path), from scattered slots (the index path), and none
+    (only slots above the new size evicted), against the reference's move one index a slot."""
     memory = StreamingMemory(tiny_model, MemoryConfig(**STREAM))
     feed(memory, range(5))
     total = memory.kv_tokens
 
-    def cache_after(method: str, *args) -> dict[str, torch.Tensor]:
+    def cache_after(evict, *args) -> dict[str, torch.Tensor]:
         copy = StreamingMemory(tiny_model, MemoryConfig(**STREAM))
         copy.import_state(memory.export_state())
         with torch.inference_mode():
-            getattr(copy.backend, method)(*args)
+            evict(copy.backend, *args)
         return copy.backend.export_tensors()
 
     for kept in (torch.tensor([0, 1, 2, 3, 10, 11, 30, 31, 32, total - 1]),
-                 torch.cat([torch.arange(4), torch.arange(40, total)])):
+                 torch.cat([torch.arange(4), torch.arange(40, total)]), torch.arange(40)):
         holes, movers = fill_plan(kept, total)
-        moves = [(int(h), int(m), 1) for h, m in zip(holes, movers)]
-        filled = cache_after("fill", holes, movers, kept.numel())
-        for name, tensor in cache_after("move", moves, kept.numel()).items():
+        _, moves = memory.slots.keep_slots(kept)
+        filled = cache_after(fill_cache, holes, movers, kept.numel())
+        for name, tensor in cache_after(Backend.move, moves, kept.numel()).items():
             assert torch.equal(tensor, filled[name]), name
 
 
-def test_backend_fill_equals_gather_on_the_cache(tiny_model):
-    fill = StreamingMemory(tiny_model, MemoryConfig(**STREAM))
-    feed(fill, range(5))
-    kept = torch.tensor([0, 1, 2, 3, 10, 11, 30, 31, 32, fill.kv_tokens - 1])
-    holes, movers = fill_plan(kept, fill.kv_tokens)
-    before = {n: t.clone() for n, t in fill.backend.export_tensors().items()}
+def test_backend_move_equals_gather_on_the_cache(tiny_model):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**STREAM))
+    feed(memory, range(5))
+    kept = torch.tensor([0, 1, 2, 3, 10, 11, 30, 31, 32, memory.kv_tokens - 1])
+    before = {n: t.clone() for n, t in memory.backend.export_tensors().items()}
+    table, moves = memory.slots.keep_slots(kept)
     with torch.inference_mode():
-        fill.backend.fill(holes, movers, kept.numel())
-    order = fill.slots.fill(holes, movers, kept.numel()).arrival
-    for name, tensor in fill.backend.export_tensors().items():
+        memory.backend.move(moves, kept.numel())
+    order = table.arrival
+    for name, tensor in memory.backend.export_tensors().items():
         if name.endswith((".keys", ".values")):
             assert torch.equal(tensor[..., order.argsort(), :], before[name][..., kept, :])
         else:
             assert torch.equal(tensor, before[name])
+
+
+def gathering(tiny_model, **config) -> StreamingMemory:
+    """A memory that evicts by the reference: every kept slot gathered in arrival order."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(**config))
+    memory.evict_to_budget = lambda: gather_evict(memory)
+    return memory
 
 
 def assert_same_in_arrival_order(fill: StreamingMemory, gather: StreamingMemory,
@@ -178,7 +206,7 @@ def test_every_fill_event_equals_the_gather_path_on_the_same_memory(tiny_model, 
     monkeypatch.setattr(memory_module, "select_runs",
                         lambda *args: by_runs.append(1) or select_runs(*args))
     fill = StreamingMemory(tiny_model, MemoryConfig(policy=policy, **STREAM))
-    gather = StreamingMemory(tiny_model, MemoryConfig(policy=policy, eviction="gather", **STREAM))
+    gather = gathering(tiny_model, policy=policy, **STREAM)
     fill.max_positions = gather.max_positions = 500  # compactions on the way
     events = 0
     for c in range(28):
@@ -199,7 +227,7 @@ def test_every_fill_event_equals_the_gather_path_on_the_same_memory(tiny_model, 
 @pytest.mark.parametrize("policy", ["deltas", "recency", "uniform", "random", "write_strength"])
 def test_fill_and_gather_give_the_same_memory_over_a_long_stream(tiny_model, policy):
     fill = StreamingMemory(tiny_model, MemoryConfig(policy=policy, **STREAM))
-    gather = StreamingMemory(tiny_model, MemoryConfig(policy=policy, eviction="gather", **STREAM))
+    gather = gathering(tiny_model, policy=policy, **STREAM)
     fill.max_positions = gather.max_positions = 500  # compactions on the way
     by_fill, by_gather = feed(fill, range(30)), feed(gather, range(30))
     assert slots_by_run(fill.slots.runs()) == slots_by_run(rows_of(fill.slots).runs())

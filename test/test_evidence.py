@@ -1,6 +1,6 @@
 """An answer's evidence: the chunks whose absence lowers the answer's likelihood most, found by
 leaving each candidate out once: one forward a candidate over a copy of the cache without it
-(asking.leave_one_out, the slow reference), checked against removing the chunk from a copy of
+(reference.leave_one_out, the slow reference), checked against removing the chunk from a copy of
 the cache for real; and the candidates as rows of batched forwards that hide them by the
 attention mask (asking.leave_one_out_batched, what questions use), checked against the
 reference."""
@@ -13,10 +13,11 @@ from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
 from transformers import AutoModelForImageTextToText
 
 from deltas_ros.core import asking
-from deltas_ros.core.asking import by_drop, leave_one_out, leave_one_out_batched
+from deltas_ros.core.asking import by_drop, leave_one_out_batched
 from deltas_ros.core.backend import branch_mask, evidence_batch_bytes, evidence_rows
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.reference import gather_cache, leave_one_out
 
 CONFIG = MemoryConfig(budget_tokens=10_000, window_tokens=8, max_new_tokens=4, **TINY_FRAMES)
 CHUNKS = 6
@@ -36,7 +37,7 @@ def reference_log_prob(tiny_model, state, ids: list[int], answer: list[int],
     copy = StreamingMemory(tiny_model, CONFIG)
     copy.import_state(state)
     if keep is not None:
-        copy.backend.keep(keep.nonzero().squeeze(1))
+        gather_cache(copy.backend, keep.nonzero().squeeze(1))
     tokens = ids + answer
     start = copy.next_position
     positions = torch.arange(start, start + len(tokens)).expand(3, 1, -1)

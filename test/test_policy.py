@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from deltas_ros.core.policy import (
     POLICY_NAMES,
     ChunkSignals,
-    _bucket_of,
+    bucket_of,
     make_policy,
     select_keep,
-    select_keep_reference,
     select_runs,
 )
+from deltas_ros.core.reference import select_keep_reference
 
 
 def stream(chunks: int, tokens: int, seed: int = 0, distinct: bool = False):
@@ -54,7 +54,7 @@ def test_no_dropped_slot_outscores_a_kept_one_within_its_bucket(seed):
     sinks, window, buckets = 4, 30, 4
     keep = set(select_keep(times, scores, 250, sinks, window, buckets).tolist())
     candidates = torch.arange(sinks, times.numel() - window)
-    bucket = torch.from_numpy(_bucket_of(times[candidates].numpy(), buckets))
+    bucket = torch.from_numpy(bucket_of(times[candidates].numpy(), buckets))
     for b in range(buckets):
         slots = candidates[bucket == b].tolist()
         kept = [scores[i].item() for i in slots if i in keep]
@@ -67,7 +67,7 @@ def test_equal_time_spans_get_equal_shares():
     times, scores = stream(100, 10, seed=3, distinct=True)
     keep = select_keep(times, scores, budget=4 + 20 + 400, sinks=4, window=20, buckets=4)
     candidates = torch.arange(4, 1000 - 20)
-    bucket = torch.from_numpy(_bucket_of(times[candidates].numpy(), 4)).long()
+    bucket = torch.from_numpy(bucket_of(times[candidates].numpy(), 4)).long()
     kept_per_bucket = torch.bincount(bucket[torch.isin(candidates, keep)], minlength=4)
     assert kept_per_bucket.tolist() == [100, 100, 100, 100]
 

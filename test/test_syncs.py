@@ -1,9 +1,9 @@
-"""Where the per-chunk path reads values back to the host: the GPU-readiness guard of issue 14.
+"""Where the per-chunk path reads values back to the host: the GPU-readiness guard.
 
 A CPU-only machine cannot count CUDA synchronisations, so this test records every call that
 would be one on a device tensor (item, tolist, cpu, numpy, bool/int/float of a tensor, nonzero,
 unique, boolean-mask indexing: a data-dependent size) made from deltas_ros code while the tiny
-model streams through steady-state evictions (DeltaS policy, fill eviction), and compares the
+model streams through steady-state evictions (DeltaS policy), and compares the
 call sites with the list below. Each allowed site says why it is not a per-chunk device sync:
 the only device read is the drift's one transfer of 2L norms; the rest run on the slot table and
 the chunk's inputs, which live on the host by design (a few KiB per slot row; selection runs in
@@ -34,8 +34,8 @@ HOST_TABLE = {  # slot table, selection and chunk inputs: host tensors by design
     ("slots.py", "append", "cpu"),  # host positions / scores: a no-op on host tensors
     # numpy views of the host slot table (.numpy() raises on a device tensor: never a sync)
     ("memory.py", "evict_to_budget", "numpy"), ("slots.py", "arrival_order", "numpy"),
-    ("slots.py", "fill_plan", "numpy"), ("slots.py", "moved", "numpy"),
-    ("slots.py", "_held", "numpy"), ("slots.py", "append", "numpy"),  # the scores' host copy
+    ("slots.py", "keep_slots", "numpy"), ("slots.py", "moved", "numpy"),
+    ("slots.py", "held", "numpy"), ("slots.py", "append", "numpy"),  # the scores' host copy
 }
 
 

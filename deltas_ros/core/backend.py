@@ -324,36 +324,25 @@ class Backend:
         return ([layer.keys[..., -n:, :] for layer in layers],
                 [layer.values[..., -n:, :] for layer in layers])
 
-    def keep(self, keep: torch.Tensor) -> None:
-        """Keep only slots `keep` (sorted indices) in every full-attention layer.
-
-        Everything is gathered before anything is replaced, so a failure changes nothing.
-        """
-        keep = keep.to(self.device)
-        self._set_kv([gather_slots(cache, keep) for cache in self._kv()])
-
-    def fill(self, holes: torch.Tensor, movers: torch.Tensor, size: int) -> None:
-        """Move slots `movers` into slots `holes` and cut every full-attention layer to `size`
-        slots (slots.fill_plan): O(evicted) data moved, not O(kept). The movers of every layer
-        are read before anything is written, so a failure changes nothing."""
-        self._set_kv(fill_slots(self._kv(), self._indices(holes), self._indices(movers), size))
-
     def move(self, moves: Sequence[tuple[int, int, int]], size: int) -> None:
-        """`fill` for moves (to, source, count) of slot ranges (slots.keep_runs), through
-        `move_slots`: one copy per K/V tensor, from a slice when the movers are one range."""
-        self._set_kv(move_slots(self._kv(), moves, size, self._indices))
+        """The eviction's one K/V path: every full-attention layer cut to `size` slots with the
+        moves (to, source, count) of slot ranges (slots.keep_runs, keep_slots) applied, through
+        `move_slots`: one copy per K/V tensor, from a slice when the movers are one range. The
+        movers of every layer are read before anything is written, so a failure changes
+        nothing."""
+        self.replace_kv(move_slots(self.kv_tensors(), moves, size, self.device_index))
 
-    def _kv(self) -> list[torch.Tensor]:
+    def kv_tensors(self) -> list[torch.Tensor]:
         """Keys and values of every full-attention layer: [keys 0, values 0, keys 1, ...]."""
         return [t for i in self.full for t in (self.cache.layers[i].keys,
                                                self.cache.layers[i].values)]
 
-    def _set_kv(self, tensors: list[torch.Tensor]) -> None:
-        """Make `tensors` (laid out as `_kv` gives them) the full-attention layers' K/V."""
+    def replace_kv(self, tensors: list[torch.Tensor]) -> None:
+        """Make `tensors` (laid out as `kv_tensors` gives them) the full-attention layers' K/V."""
         for i, keys, values in zip(self.full, tensors[0::2], tensors[1::2]):
             self.cache.layers[i].keys, self.cache.layers[i].values = keys, values
 
-    def _indices(self, host: torch.Tensor) -> torch.Tensor:
+    def device_index(self, host: torch.Tensor) -> torch.Tensor:
         """A host index tensor on the model's device without waiting for the device: a
         blocking `.to(device)` waits for all queued work, a non-blocking copy from pinned
         memory only queues the copy (the caching host allocator keeps the block until it is
@@ -579,7 +568,8 @@ def attention_mass_of(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
     queries (1, heads, L, d) of the cache's last L entries; keys (1, kv_heads, S, d), S >= L.
     As eager attention computes it (logits in the model's dtype, softmax in float32, weights
     back in the model's dtype), but L is walked in slices of at most `slice_elements` logits,
-    so a long question needs bounded memory. `attention_mass_reference` is the one-shot version.
+    so a long question needs bounded memory. `reference.attention_mass_reference` is the
+    one-shot version.
     """
     heads, length, total = queries.shape[1], queries.shape[2], keys.shape[2]
     keys = keys.repeat_interleave(groups, dim=1)
@@ -594,18 +584,6 @@ def attention_mass_of(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
         mass += weights[..., :slots].float().sum((0, 1, 2))
     return mass
-
-
-def attention_mass_reference(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
-                             groups: int, slots: int) -> torch.Tensor:
-    """`attention_mass_of` in one piece (all L x S logits at once), for tests."""
-    length, total = queries.shape[2], keys.shape[2]
-    keys = keys.repeat_interleave(groups, dim=1)
-    logits = torch.matmul(queries, keys.transpose(2, 3)) * scaling
-    causal = torch.ones(length, total, dtype=torch.bool).tril(total - length)
-    logits = logits.masked_fill(~causal.to(logits.device), float("-inf"))
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
-    return weights[0, :, :, :slots].float().sum((0, 1))
 
 
 class _StateBuffers:
@@ -682,6 +660,8 @@ def move_slots(caches: list[torch.Tensor], moves: Sequence[tuple[int, int, int]]
         return to_device(torch.from_numpy(
             np.concatenate([np.arange(first, first + count) for first, count in ranges])))
 
+    if not moves:  # only slots at or above `size` were evicted
+        return [cache.narrow(-2, 0, size) for cache in caches]
     targets = index([(to, count) for to, _, count in moves])
     if any(b[1] != a[1] + a[2] for a, b in zip(moves, moves[1:])):  # scattered sources
         return fill_slots(caches, targets, index([(s, count) for _, s, count in moves]), size)

@@ -38,8 +38,6 @@ class MemoryConfig:
     Qwen3.5's published template opens a `<think>` block unless it is false). The answer is
     then what follows `</think>`, the reasoning is returned apart, and max_new_tokens bounds
     both together.
-    eviction: "fill" moves only the evicted slots' replacements (O(evicted) per event; the slots
-    leave arrival order); "gather" copies every kept slot in arrival order (the reference).
     """
 
     budget_tokens: int = 8192
@@ -57,7 +55,6 @@ class MemoryConfig:
     max_answer_tokens: int = 4096
     max_question_s: float = 60.0
     thinking: bool = False
-    eviction: str = "fill"
 
     def __post_init__(self) -> None:
         if self.budget_tokens < self.sink_tokens + self.window_tokens:
@@ -78,8 +75,6 @@ class MemoryConfig:
             raise ValueError("evidence_chunks must be >= 1 and evidence_candidates >= 0")
         if not (math.isfinite(self.max_question_s) and self.max_question_s > 0):
             raise ValueError(f"max_question_s must be > 0, got {self.max_question_s}")
-        if self.eviction not in ("fill", "gather"):
-            raise ValueError(f"eviction must be 'fill' or 'gather', got {self.eviction!r}")
         make_policy(self.policy, self.seed)  # raises for unknown names
 
 

@@ -30,10 +30,10 @@ def state_drift(
 
     Copies the states into the layout `stacked_drift` reads (rows zero-padded to the largest
     state: zeros change no norm); the engine's states live in that layout
-    (backend._StateBuffers), so it copies nothing. `state_drift_reference` is the
+    (backend._StateBuffers), so it copies nothing. `reference.state_drift_reference` is the
     layer-by-layer version.
     """
-    _check(before, after)
+    check_states(before, after)
     width = max(b.numel() for b in before)
     work = torch.zeros(3, len(before), width, device=before[0].device)
     for row, a, b in zip(work.unbind(1), after, before):
@@ -73,21 +73,7 @@ def drift_of_views(after: torch.Tensor, scratch: torch.Tensor, before: torch.Ten
     return sum(per_layer) / len(per_layer), per_layer
 
 
-def state_drift_reference(
-    before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]
-) -> tuple[float, list[float]]:
-    """Eq. 3 one layer at a time, exactly as written; the slow reference for tests."""
-    _check(before, after)
-    per_layer = []
-    for b, a in zip(before, after):
-        b, a = b.float(), a.float()
-        ratio = _ratio(torch.linalg.vector_norm(a - b), torch.linalg.vector_norm(b),
-                       torch.linalg.vector_norm(a))
-        per_layer.append(ratio.item())
-    return sum(per_layer) / len(per_layer), per_layer
-
-
-def _check(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> None:
+def check_states(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> None:
     if len(before) != len(after) or not before:
         raise ValueError(f"need matching, non-empty state lists, got {len(before)}/{len(after)}")
     for b, a in zip(before, after):
@@ -95,7 +81,8 @@ def _check(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> Non
             raise ValueError(f"state shapes differ: {tuple(b.shape)} vs {tuple(a.shape)}")
 
 
-def _ratio(change: torch.Tensor, reference: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+def drift_ratio(change: torch.Tensor, reference: torch.Tensor,
+                fresh: torch.Tensor) -> torch.Tensor:
     """change / reference, with the first-chunk rule where the reference is zero."""
     return torch.where(
         reference > 0,

@@ -43,7 +43,7 @@ from .policy import ChunkSignals, make_policy, select_keep, select_runs
 from .poses import Pose
 from .prompt import THINK_END, ChatLayout
 from .results import Answer, ChunkResult, MemoryState, MemoryStats
-from .slots import PREFIX_CHUNK, SlotTable, fill_plan
+from .slots import PREFIX_CHUNK, SlotTable
 from .state_check import check_state
 
 __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState", "MemoryStats",
@@ -155,31 +155,25 @@ class StreamingMemory:
     @torch.inference_mode()
     def evict_to_budget(self) -> int:
         """Algorithm 1, lines 6-10 (after each chunk; also after lowering budget_tokens): slots
-        evicted. A failure changes nothing: the backend reads every layer before it writes."""
+        evicted. The kept slots are chosen by runs or by slots (the same choice); either way the
+        evicted slots below the new size are filled by kept ones from above it, as slot-range
+        moves (O(evicted)). A failure changes nothing: the backend reads every layer before it
+        writes. reference.gather_evict is the slow version."""
         total, cfg = self.kv_tokens, self.config
         if total <= cfg.budget_tokens:
             return 0
         limits = (cfg.budget_tokens, cfg.sink_tokens, cfg.window_tokens,
                   self.policy.buckets or cfg.buckets)
-        if cfg.eviction == "fill" and self.policy.scores_chunks and len(
-                runs := self.slots.runs()) <= MAX_SELECT_RUNS:
-            # The common event: a few runs chosen, a few slot ranges moved (same slots as below).
+        if self.policy.scores_chunks and len(runs := self.slots.runs()) <= MAX_SELECT_RUNS:
+            # The common event: a few runs chosen, a few slot ranges moved.
             slots, moves = self.slots.keep_runs(
                 select_runs([(run.length, run.time, run.score) for run in runs], *limits))
-            self.backend.move(moves, len(slots))
-        else:
-            order = self.slots.arrival_order().numpy()  # host bookkeeping in numpy
+        else:  # per-token scores, or a long table: sorts over every slot, in numpy
+            order = self.slots.arrival_order().numpy()
             chosen = select_keep(self.slots.time.numpy()[order],
                                  self.slots.score.numpy()[order], *limits)
-            kept = torch.from_numpy(order[chosen.numpy()])
-            if cfg.eviction == "gather":  # the reference: every kept slot copied, in order
-                kept = kept.sort().values
-                slots = self.slots.select(kept)
-                self.backend.keep(kept)
-            else:  # O(evicted): the last kept slots move into the holes
-                holes, movers = fill_plan(kept, total)
-                slots = self.slots.fill(holes, movers, kept.numel())
-                self.backend.fill(holes, movers, kept.numel())
+            slots, moves = self.slots.keep_slots(torch.from_numpy(order[chosen.numpy()]))
+        self.backend.move(moves, len(slots))
         self.slots = slots
         return total - len(slots)
 

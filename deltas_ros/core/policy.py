@@ -46,18 +46,18 @@ def select_keep(
     in reverse slot order, and a stable sort of that order by bucket ranks each bucket. The
     result comes from a keep mask, already sorted. In numpy: at a few thousand slots each op
     costs about a microsecond, a torch op on the CPU several (the eviction's budget is 1 % of a
-    tiny model's forward). `select_keep_reference` is the loop it is tested against.
+    tiny model's forward). `reference.select_keep_reference` is the loop it is tested against.
     """
     times, scores = np.asarray(times), np.asarray(scores)
     total = times.size
-    _check_args(total, scores.size, budget, sinks, window, buckets)
+    check_limits(total, scores.size, budget, sinks, window, buckets)
     if total <= budget:
         return torch.arange(total)
     candidates = np.arange(total - window - 1, sinks - 1, -1)  # newest first
     cand_scores = scores[candidates].astype(np.float32)
     cand_scores[np.isnan(cand_scores)] = -np.inf  # ties with -inf
     best_first = np.argsort(-cand_scores, kind="stable")
-    bucket = _bucket_of(times[candidates], buckets)
+    bucket = bucket_of(times[candidates], buckets)
     by_bucket = best_first[np.argsort(bucket[best_first], kind="stable")]
 
     # Rank inside each bucket; the top `share` of each are kept.
@@ -66,7 +66,7 @@ def select_keep(
     ordered_bucket = bucket[by_bucket]
     rank = np.arange(by_bucket.size) - starts[ordered_bucket]
     in_share = np.zeros(candidates.size, dtype=bool)
-    shares = np.asarray(_shares(budget - sinks - window, buckets))
+    shares = np.asarray(bucket_shares(budget - sinks - window, buckets))
     in_share[by_bucket] = rank < shares[ordered_bucket]
 
     # Spare budget (buckets thinner than their share) goes to the best of the rest, any bucket.
@@ -100,7 +100,7 @@ def select_runs(
     to slots (test_policy).
     """
     total = sum(length for length, _, _ in runs)
-    _check_args(total, total, budget, sinks, window, buckets)
+    check_limits(total, total, budget, sinks, window, buckets)
     if min((length for length, _, _ in runs), default=1) < 1:
         raise ValueError("runs must hold at least one slot each")
     if total <= budget:
@@ -117,7 +117,7 @@ def select_runs(
             lo, hi = min(lo, time_s), max(hi, time_s)
         start += length
     best_first = sorted(pieces, reverse=True)  # by score, ties to the later run
-    share = _shares(budget - sinks - window, buckets)
+    share = bucket_shares(budget - sinks - window, buckets)
     rest = []
     for _, _, i, count, time_s in best_first:
         bucket = 0 if hi <= lo else min(int((time_s - lo) / (hi - lo) * buckets), buckets - 1)
@@ -136,41 +136,7 @@ def select_runs(
     return kept
 
 
-def select_keep_reference(
-    times: Sequence[float], scores: Sequence[float], budget: int,
-    sinks: int = 4, window: int = 1024, buckets: int = 4,
-) -> list[int]:
-    """Slow, obvious version of `select_keep` (loops over slots), for tests."""
-    total = len(times)
-    _check_args(total, len(scores), budget, sinks, window, buckets)
-    if total <= budget:
-        return list(range(total))
-    candidates = list(range(sinks, total - window))
-    lo, hi = min(times[i] for i in candidates), max(times[i] for i in candidates)
-    per_bucket: list[list[int]] = [[] for _ in range(buckets)]
-    for i in candidates:
-        b = 0 if hi == lo else min(buckets - 1, int((times[i] - lo) / (hi - lo) * buckets))
-        per_bucket[b].append(i)
-
-    def best_first(slots: list[int]) -> list[int]:
-        def key(i: int) -> tuple[float, float, int]:
-            s = scores[i]
-            return (-math.inf if math.isnan(s) else s, times[i], i)
-        return sorted(slots, key=key, reverse=True)
-
-    free = budget - sinks - window
-    base, extra = divmod(free, buckets)
-    kept, rest = [], []
-    for b, slots in enumerate(per_bucket):
-        share = base + (1 if b >= buckets - extra else 0)
-        ranked = best_first(slots)
-        kept += ranked[:share]
-        rest += ranked[share:]
-    kept += best_first(rest)[:free - len(kept)]
-    return sorted(list(range(sinks)) + kept + list(range(total - window, total)))
-
-
-def _check_args(total: int, n_scores: int, budget: int, sinks: int, window: int,
+def check_limits(total: int, n_scores: int, budget: int, sinks: int, window: int,
                 buckets: int) -> None:
     if n_scores != total:
         raise ValueError(f"{total} times but {n_scores} scores")
@@ -180,7 +146,7 @@ def _check_args(total: int, n_scores: int, budget: int, sinks: int, window: int,
         raise ValueError(f"budget {budget} must hold the sinks ({sinks}) + window ({window})")
 
 
-def _bucket_of(times: np.ndarray, buckets: int) -> np.ndarray:
+def bucket_of(times: np.ndarray, buckets: int) -> np.ndarray:
     """Index of the equal stream-time span each time falls in (int16: numpy sorts it by radix).
     """
     lo, hi = times.min(), times.max()
@@ -190,7 +156,7 @@ def _bucket_of(times: np.ndarray, buckets: int) -> np.ndarray:
     return np.minimum((fraction * buckets).astype(np.int64), buckets - 1).astype(np.int16)
 
 
-def _shares(free: int, buckets: int) -> list[int]:
+def bucket_shares(free: int, buckets: int) -> list[int]:
     """Each bucket's share of `free` slots: equal, the remainder to the newest buckets."""
     base, extra = divmod(free, buckets)
     return [base + (b >= buckets - extra) for b in range(buckets)]

@@ -12,16 +12,17 @@ One row per slot of every full-attention layer (all layers hold the same slots):
     poses     {chunk: robot pose at its stamp or None} of the chunks still held (poses.Pose)
 
 Slots need not sit in arrival order: an eviction may fill the holes it leaves with the slots at
-the end of the cache (`fill`), since attention does not care where a key sits (it carries its
-rotary position). Everything that depends on order (the window, ties, time buckets, position
-compaction) reads the slots in `arrival_order()`; `select` keeps the gather path's order.
+the end of the cache (`keep_slots`, `keep_runs`), since attention does not care where a key sits
+(it carries its rotary position). Everything that depends on order (the window, ties, time
+buckets, position compaction) reads the slots in `arrival_order()`.
 
 `runs()` describes the same slots by runs (`Run`): consecutive in arrival order, one chunk, one
 time, one score, held at a few slot ranges (extents). Under a per-chunk policy a chunk is one
 run, so an eviction can choose runs and move slot ranges (policy.select_runs, `keep_runs`)
-instead of sorting and indexing every slot; `fill_plan` + `fill` are its reference.
+instead of sorting and indexing every slot. reference.py holds the slow versions both are tested
+against (a gather of every kept slot; `fill_plan`).
 
-A table is immutable: append, select, fill, keep_runs and moved return a new one, so a snapshot
+A table is immutable: append, keep_slots, keep_runs and moved return a new one, so a snapshot
 of the memory holds its table by reference and a rollback is one assignment (`runs()` only
 caches what the rows already say).
 """
@@ -116,33 +117,9 @@ class SlotTable:
             runs,
         )
 
-    def select(self, keep: torch.Tensor) -> SlotTable:
-        """The table of the slots `keep` (sorted slot indices); stamps of dropped chunks go."""
-        keep = keep.cpu()
-        chunk = self.chunk[keep]
-        stamps, poses = self._held(chunk)
-        return SlotTable(self.time[keep], self.score[keep], chunk, self.position[:, keep],
-                         stamps, self.arrival[keep], self.next_arrival, poses)
-
-    def fill(self, holes: torch.Tensor, movers: torch.Tensor, size: int) -> SlotTable:
-        """The table after the slots `movers` moved into `holes` and the cache was cut to
-        `size` slots (see `fill_plan`). In numpy, like the selection (policy.select_keep)."""
-        holes, movers = np.asarray(holes), np.asarray(movers)
-
-        def moved(row: torch.Tensor) -> torch.Tensor:  # one copy, one scatter
-            data = row.numpy()
-            out = data[..., :size].copy()
-            out[..., holes] = data[..., movers]
-            return torch.from_numpy(out)
-
-        chunk = moved(self.chunk)
-        stamps, poses = self._held(chunk)
-        return SlotTable(moved(self.time), moved(self.score), chunk, moved(self.position),
-                         stamps, moved(self.arrival), self.next_arrival, poses)
-
     def runs(self) -> tuple[Run, ...]:
         """The slots as runs in arrival order (see the module docstring); derived from the rows
-        once for a table built slot by slot (select, fill, a loaded file)."""
+        once for a table built slot by slot (keep_slots, a loaded file)."""
         if self.known_runs is None:
             object.__setattr__(self, "known_runs", _runs_of(self))  # a cache, not a change
         return self.known_runs
@@ -151,8 +128,7 @@ class SlotTable:
         """The table after run i of `runs()` kept its first kept[i][0] and last kept[i][1] slots
         (policy.select_runs), and the moves that make it so: the kept slots at or above the new
         size fill the evicted ones below it, in slot order. The same table and the same slot
-        pairs as `fill_plan` + `fill` (test_eviction), as a few ranges instead of an index per
-        slot."""
+        pairs as `keep_slots` (test_eviction), without an index per slot."""
         size = sum(head + tail for head, tail in kept)
         holes, movers, pieces = [], [], []  # (first, end) slot ranges; (run, kept ranges)
         for run, (head, tail) in zip(self.runs(), kept, strict=True):
@@ -178,6 +154,23 @@ class SlotTable:
                                                      _located(held, size, moves, sources))
                      for run, held in pieces)
 
+        return self.after_moves(moves, size, runs), moves
+
+    def keep_slots(self, kept: torch.Tensor) -> tuple[SlotTable, list[Move]]:
+        """The table after only the slots `kept` (any order) stay (policy.select_keep), and the
+        moves that make it so: the kept slots at or above the new size fill the evicted ones
+        below it, in slot order, as ranges. `keep_runs` is the same for a choice by runs."""
+        size = kept.numel()
+        keep = np.zeros(len(self), dtype=bool)
+        keep[kept.numpy()] = True
+        moves = _paired(_ranges(np.flatnonzero(~keep[:size])),
+                        _ranges(np.flatnonzero(keep[size:]) + size))
+        return self.after_moves(moves, size), moves
+
+    def after_moves(self, moves: Sequence[Move], size: int,
+                    runs: tuple[Run, ...] | None = None) -> SlotTable:
+        """The table after `moves` and a cut to `size` slots; `runs`: the new table's runs when
+        the caller knows them (else derived when asked)."""
         def moved(row: torch.Tensor) -> torch.Tensor:  # numpy: cheaper than torch for slices
             data = row.numpy()
             out = data[..., :size].copy()
@@ -185,22 +178,20 @@ class SlotTable:
                 out[..., to:to + count] = data[..., source:source + count]
             return torch.from_numpy(out)
 
-        held_chunks = {run.chunk for run in runs}
-        table = SlotTable(moved(self.time), moved(self.score), moved(self.chunk),
-                          moved(self.position),
-                          {c: s for c, s in self.stamps.items() if c in held_chunks},
-                          moved(self.arrival), self.next_arrival,
-                          {c: p for c, p in self.poses.items() if c in held_chunks}, runs)
-        return table, moves
+        chunk = moved(self.chunk)
+        stamps, poses = self.held(chunk if runs is None else {run.chunk for run in runs})
+        return SlotTable(moved(self.time), moved(self.score), chunk, moved(self.position),
+                         stamps, moved(self.arrival), self.next_arrival, poses, runs)
 
     def moved(self, positions: torch.Tensor) -> SlotTable:
         """The table with new (3, T) positions (after a compaction; runs hold no position)."""
         return replace(self, position=positions)
 
-    def _held(self, chunk: torch.Tensor) -> tuple[dict[int, float | None],
-                                                  dict[int, Pose | None]]:
-        """The stamps and poses of the chunks `chunk` (a new table's chunk row) still holds."""
-        held = set(np.unique(chunk.numpy()).tolist())
+    def held(self, chunk: torch.Tensor | set[int]) -> tuple[dict[int, float | None],
+                                                           dict[int, Pose | None]]:
+        """The stamps and poses of the chunks a new table still holds: its chunk row, or the
+        set of its chunks."""
+        held = chunk if isinstance(chunk, set) else set(np.unique(chunk.numpy()).tolist())
         return ({c: s for c, s in self.stamps.items() if c in held},
                 {c: p for c, p in self.poses.items() if c in held})
 
@@ -292,19 +283,13 @@ class SlotTable:
             raise ValueError("chunk poses must be Pose or None, of chunks seen")
 
 
-def fill_plan(kept: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(holes, movers) for keeping slots `kept` of `total` by moving as few as possible.
-
-    The cache shrinks to size = len(kept) slots; the evicted slots below `size` are holes, and
-    the kept slots at or above `size` (as many) move into them: O(evicted) moves instead of
-    gathering every kept slot. Both are sorted (T,) int64 host index tensors of equal length.
-    """
-    size = kept.numel()
-    keep = np.zeros(total, dtype=bool)
-    keep[kept.numpy()] = True
-    holes = np.flatnonzero(~keep[:size])
-    movers = np.flatnonzero(keep[size:]) + size
-    return torch.from_numpy(holes), torch.from_numpy(movers)
+def _ranges(slots: np.ndarray) -> list[tuple[int, int]]:
+    """(first, end) ranges of consecutive slots in a sorted slot array."""
+    if not slots.size:
+        return []
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts, ends = slots[np.r_[0, breaks]], slots[np.r_[breaks - 1, slots.size - 1]] + 1
+    return list(zip(starts.tolist(), ends.tolist()))
 
 
 def _equal_spans(scores: np.ndarray) -> list[tuple[int, int, float]]:
