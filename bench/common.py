@@ -25,7 +25,7 @@ import torch
 import transformers
 from transformers import Qwen3_5ForConditionalGeneration
 
-from deltas_ros.core.backend import select_gated_delta_kernels
+from deltas_ros.core.kernels import select_gated_delta_kernels
 from deltas_ros.core.loader import LoadedModel, default_dtype, load_model
 from deltas_ros.core.maker import (
     config_from_file,

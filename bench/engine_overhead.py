@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from deltas_ros.core.backend import move_slots
 from deltas_ros.core.drift import stacked_drift, write_strength
+from deltas_ros.core.kv_slots import move_slots
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.maker import config_from_file
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from deltas_ros.core.asking import by_drop, leave_one_out_batched
-from deltas_ros.core.backend import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
+from deltas_ros.core.branches import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.reference import leave_one_out

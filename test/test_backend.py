@@ -17,13 +17,13 @@ from transformers import AutoModelForImageTextToText
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltas_ros.core import backend, reference, rope
+from deltas_ros.core import kernels, kv_slots, reference, rope
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 
 REPO = Path(__file__).resolve().parents[1]
 MODULE_NAMES = ["Qwen3_5GatedDeltaNet", "Qwen3_5Attention", "Qwen3_5TextRotaryEmbedding",
-                "apply_rotary_pos_emb", "rotate_half", *backend.KERNEL_NAMES]
+                "apply_rotary_pos_emb", "rotate_half", *kernels.KERNEL_NAMES]
 
 
 @pytest.mark.parametrize("name", MODULE_NAMES)
@@ -31,7 +31,7 @@ def test_private_module_names_the_backend_uses_exist(name):
     assert hasattr(modeling_qwen3_5, name), f"transformers moved modeling_qwen3_5.{name}"
 
 
-@pytest.mark.parametrize("name", backend.KERNEL_NAMES)
+@pytest.mark.parametrize("name", kernels.KERNEL_NAMES)
 def test_gated_delta_forward_calls_the_kernels_by_their_global_names(name):
     forward = inspect.unwrap(modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward)
     assert name in forward.__code__.co_names, f"GatedDeltaNet.forward no longer calls {name}"
@@ -88,7 +88,7 @@ def test_supported_transformers_range_agrees_with_the_pin():
 def test_no_process_wide_rebinding(tiny_model):
     """Kernels are chosen per module instance; the module's own bindings and the attention
     implementation stay as transformers set them, also while recording write strength."""
-    bound = {name: getattr(modeling_qwen3_5, name) for name in backend.KERNEL_NAMES}
+    bound = {name: getattr(modeling_qwen3_5, name) for name in kernels.KERNEL_NAMES}
     implementation = tiny_model.model.config.text_config._attn_implementation
     memory = StreamingMemory(tiny_model, MemoryConfig(policy="write_strength", budget_tokens=150,
                                                       window_tokens=40, max_new_tokens=2,
@@ -98,11 +98,11 @@ def test_no_process_wide_rebinding(tiny_model):
     assert {name: getattr(modeling_qwen3_5, name) for name in bound} == bound
     assert all(hasattr(kernel, "__wrapped__") for kernel in bound.values())  # still the wrapper
     assert tiny_model.model.config.text_config._attn_implementation == implementation
-    deltanets = backend.linear_attention_modules(tiny_model.model)
+    deltanets = kernels.linear_attention_modules(tiny_model.model)
     assert deltanets and all("forward" in vars(m) for m in deltanets)  # per instance
     scope = vars(deltanets[0])["forward"].__func__.__globals__
     assert scope is not vars(modeling_qwen3_5)
-    assert scope[backend.KERNEL_NAMES[1]] is inspect.unwrap(bound[backend.KERNEL_NAMES[1]])
+    assert scope[kernels.KERNEL_NAMES[1]] is inspect.unwrap(bound[kernels.KERNEL_NAMES[1]])
 
 
 def test_write_strength_is_recorded_only_inside_the_call(tiny_model):
@@ -132,7 +132,7 @@ def test_sliced_attention_mass_equals_the_one_shot_reference(slice_rows):
     keys = torch.randn(1, kv_heads, total, dim, generator=gen)
     slots = total - length
     one_shot = reference.attention_mass_reference(queries, keys, 0.17, 2, slots)
-    sliced = backend.attention_mass_of(queries, keys, 0.17, 2, slots,
+    sliced = kv_slots.attention_mass_of(queries, keys, 0.17, 2, slots,
                                        slice_elements=slice_rows * heads * total)
     torch.testing.assert_close(sliced, one_shot, rtol=1e-6, atol=1e-6)
 
@@ -168,7 +168,7 @@ def test_evidence_mass_equals_eager_attention_weights(tiny_model_dir, tiny_model
 def test_gather_slots_equals_index_select_on_the_slot_dimension():
     cache = torch.randn(2, 3, 50, 8)
     keep = torch.tensor([0, 1, 7, 8, 9, 30, 49])
-    assert torch.equal(backend.gather_slots(cache, keep), cache.index_select(-2, keep))
+    assert torch.equal(kv_slots.gather_slots(cache, keep), cache.index_select(-2, keep))
 
 
 def test_the_states_live_in_the_stacked_buffers_and_the_model_updates_them_in_place(
@@ -232,12 +232,12 @@ def stand_in_kernels(monkeypatch):
             return reference(*args, **kwargs)
         return kernel
 
-    for name in backend.KERNEL_NAMES:
+    for name in kernels.KERNEL_NAMES:
         monkeypatch.setattr(modeling_qwen3_5, name, stand_in(name))
-    monkeypatch.setattr(backend, "fla_available", lambda: True)
-    backend._gated_delta_forward.cache_clear()
+    monkeypatch.setattr(kernels, "fla_available", lambda: True)
+    kernels._gated_delta_forward.cache_clear()
     yield calls
-    backend._gated_delta_forward.cache_clear()
+    kernels._gated_delta_forward.cache_clear()
 
 
 def _fresh_model(tiny_model_dir) -> LoadedModel:
@@ -253,14 +253,14 @@ def test_a_cuda_backend_routes_prefill_decode_and_recording_through_fla(tiny_mod
     """Without a GPU: the routing a CUDA-configured backend chooses (fla's bindings) sends
     chunked prefill, one-token decoding and the write-strength recording through the kernels
     transformers bound; the CPU routing uses the torch references even with fla importable."""
-    chunk, recurrent = backend.KERNEL_NAMES
+    chunk, recurrent = kernels.KERNEL_NAMES
     loaded = _fresh_model(tiny_model_dir)
     memory = StreamingMemory(loaded, MemoryConfig(**TINY_FRAMES))
     assert not memory.backend.fla_kernels  # on the CPU
     feed(memory, range(1))
     memory.ask("What is on the table?")
     assert stand_in_kernels == []
-    assert backend.select_gated_delta_kernels(loaded.model, torch.device("cuda")) is True
+    assert kernels.select_gated_delta_kernels(loaded.model, torch.device("cuda")) is True
     layers = len(memory.backend.linear)
     with torch.inference_mode():
         memory.backend.prefill_text(torch.tensor([[1, 2, 3]]), torch.arange(3).expand(3, 1, -1))
@@ -280,8 +280,8 @@ def test_the_rebuilt_forward_equals_transformers_own_with_the_same_kernels(tiny_
     stand-ins over the torch references: same hidden states and states, bit for bit, for a
     multi-token prefill and a one-token step."""
     rebuilt, original = _fresh_model(tiny_model_dir).model, _fresh_model(tiny_model_dir).model
-    backend.select_gated_delta_kernels(rebuilt, torch.device("cuda"))
-    for module in backend.linear_attention_modules(original):
+    kernels.select_gated_delta_kernels(rebuilt, torch.device("cuda"))
+    for module in kernels.linear_attention_modules(original):
         del module.forward  # back to the class's forward and the module's globals
     text = rebuilt.config.text_config
     outputs = []

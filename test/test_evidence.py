@@ -14,7 +14,7 @@ from transformers import AutoModelForImageTextToText
 
 from deltas_ros.core import asking
 from deltas_ros.core.asking import by_drop, leave_one_out_batched
-from deltas_ros.core.backend import branch_mask, evidence_batch_bytes, evidence_rows
+from deltas_ros.core.branches import branch_mask, evidence_batch_bytes, evidence_rows
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.reference import gather_cache, leave_one_out

@@ -39,7 +39,7 @@ TINY = dict(batch=2, questions=3, warmup=1, validation_streams=2, validation_sec
 
 @pytest.fixture(scope="module")
 def scene_model():
-    from deltas_ros.core.backend import select_gated_delta_kernels
+    from deltas_ros.core.kernels import select_gated_delta_kernels
 
     tokenizer = scene_tokenizer()
     model = new_model(TrainConfig(**TINY), tokenizer).eval().requires_grad_(False)

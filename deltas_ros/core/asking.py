@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import EVIDENCE_BATCH_BYTES, Backend, evidence_rows
+from .backend import Backend
+from .branches import EVIDENCE_BATCH_BYTES, evidence_rows
 from .config import MemoryConfig, question_problem
 from .slots import SlotTable
 

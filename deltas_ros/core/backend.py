@@ -1,17 +1,19 @@
-"""The one door to transformers' Qwen3.5 internals: the model's cache and every call into it.
+"""The door to transformers' Qwen3.5 internals: the model's cache and every call into it.
 
 Everything the memory does to the model goes through `Backend` (batch size 1): prefill a chunk or
-text, one decoding step, snapshot/restore of the linear-attention states, the KV length, gathering
+text, one decoding step, snapshot/restore of the linear-attention states, the KV length, moving
 and truncating KV slots, re-rotating cached keys, the attention mass of a question on each slot,
-and the gated delta rule's write strength. No other module of deltas_ros imports
-`transformers.models.qwen3_5`; the loader and the maker use transformers' public classes only.
+the evidence search's batched forward, and the gated delta rule's write strength. Only this
+module and `kernels` (which kernel each Gated DeltaNet module runs) import
+`transformers.models.qwen3_5`; `branches` and training's `cache` subclass or fill transformers'
+public cache class, the loader and the maker use its public classes only.
 
-Private transformers names this module relies on (test_backend pins each of them, so an upgrade
+Private transformers names the door relies on (test_backend pins each of them, so an upgrade
 that moves one fails naming it):
 
     modeling_qwen3_5.Qwen3_5GatedDeltaNet          .forward, whose body calls the module globals
                                                     torch_chunk_gated_delta_rule and
-                                                    torch_recurrent_gated_delta_rule
+                                                    torch_recurrent_gated_delta_rule (kernels)
     modeling_qwen3_5.torch_chunk_gated_delta_rule   functools.wraps wrappers (fla's kernel when
     modeling_qwen3_5.torch_recurrent_gated_delta_rule  fla imports); __wrapped__ is pure torch
     modeling_qwen3_5.Qwen3_5Attention               .q_proj .q_norm .head_dim .scaling
@@ -24,50 +26,35 @@ that moves one fails naming it):
         mm_token_type_ids=), model.lm_head
     cache_utils.DynamicCache(config=) .layers[i] .keys .values .get_seq_length()
         .recurrent_states[0] .conv_states[0]
-    for training (repeat_cache): the linear-attention layer's .conv_kernel_size .dtype
+    for training (training/cache.py): the linear-attention layer's .conv_kernel_size .dtype
         .device .is_conv_states_initialized .is_recurrent_states_initialized
         .has_previous_state .record_past .update_recurrent_state(recurrent_states, state_idx),
         and the attention layer's .lazy_initialization(keys, values)
 
-No process-wide patching: the gated delta kernels are chosen per model instance (each Gated
-DeltaNet module gets its own forward, the same code with its own kernel bindings; without the
-accelerate-offload and renamed-keyword decorators of the original, which a model on one device
-does not use), and the write
-strength is recorded per call (a context variable the instance's kernel reads). Evidence attention
-is computed from the question's own queries and the cached keys in bounded slices, so the model
-keeps its fast attention and no config switch is needed.
+No process-wide patching: the gated delta kernels are chosen per model instance (`kernels`),
+and the write strength is recorded per call (a context variable the instance's kernel reads).
+Evidence attention is computed from the question's own queries and the cached keys in bounded
+slices (`kv_slots.attention_mass_of`), so the model keeps its fast attention and no config
+switch is needed.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
 import time
-import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from .branches import BranchCache, branch_mask
 from .chunks import Chunk
 from .drift import drift_of_views, drift_views, write_strength
+from .kernels import recording_write_strength, select_gated_delta_kernels
+from .kv_slots import attention_mass_of, gather_slots, move_slots
 from .rope import RotaryShift
-
-KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-# Elements of one slice of question-by-slot attention logits (64 MiB in float32).
-EVIDENCE_SLICE_ELEMENTS = 1 << 24
-# Bytes one batched evidence forward may hold at its peak (`evidence_rows`): about one copy of
-# the K/V at 9B and M = 8192 in bf16, what the evidence search's copy per candidate used to take.
-EVIDENCE_BATCH_BYTES = 512 << 20
-# (sink, strength function) of the recording in progress in this thread, or None.
-_RECORDING: ContextVar[tuple[list[torch.Tensor], Callable] | None] = ContextVar(
-    "deltas_write_strength", default=None)
 
 
 @dataclass
@@ -81,61 +68,6 @@ class StateSnapshot:
 
     kv_tokens: int
     generation: int
-
-
-def fla_available() -> bool:
-    """Whether flash-linear-attention's gated delta kernels import (what transformers binds)."""
-    try:
-        ops = importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception:  # noqa: BLE001 - any import failure means: not usable
-        return False
-    return all(hasattr(ops, n) for n in ("chunk_gated_delta_rule",
-                                         "fused_recurrent_gated_delta_rule"))
-
-
-def select_gated_delta_kernels(model: torch.nn.Module, device: torch.device) -> bool:
-    """Give each Gated DeltaNet module of `model` its kernels: fla's on CUDA, torch elsewhere.
-
-    transformers binds fla's Triton kernels at import time whenever `fla.ops` imports, without
-    checking for a GPU, and they crash on a CPU-only machine. Instead of rebinding the module's
-    functions for the whole process, each module instance gets a forward with its own bindings.
-    Returns whether fla's kernels are in use.
-    """
-    use_fla = device.type == "cuda" and fla_available()
-    forward = _gated_delta_forward(use_fla)
-    for module in model.modules():
-        if isinstance(module, modeling_qwen3_5.Qwen3_5GatedDeltaNet):
-            module.forward = types.MethodType(forward, module)
-    return use_fla
-
-
-@functools.cache
-def _gated_delta_forward(use_fla: bool) -> types.FunctionType:
-    """Qwen3_5GatedDeltaNet.forward's code over a copy of its globals with our kernels."""
-    raw = inspect.unwrap(modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward)
-    chunk, recurrent = (getattr(modeling_qwen3_5, name) for name in KERNEL_NAMES)
-    if not use_fla:
-        chunk, recurrent = inspect.unwrap(chunk), inspect.unwrap(recurrent)
-
-    def recording_chunk(query, key, value, g, beta, initial_state=None, **kwargs):
-        recording = _RECORDING.get()
-        if recording is not None:
-            sink, strength = recording
-            sink.append(strength(key, value, g, beta, initial_state,
-                                 kwargs.get("use_qk_l2norm_in_kernel", False)))
-        return chunk(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
-
-    scope = dict(raw.__globals__)
-    scope.update({KERNEL_NAMES[0]: recording_chunk, KERNEL_NAMES[1]: recurrent})
-    forward = types.FunctionType(raw.__code__, scope, raw.__name__, raw.__defaults__,
-                                 raw.__closure__)
-    forward.__kwdefaults__ = raw.__kwdefaults__
-    return forward
-
-
-def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The Gated DeltaNet modules of `model` (for the maker's decay init)."""
-    return [m for m in model.modules() if isinstance(m, modeling_qwen3_5.Qwen3_5GatedDeltaNet)]
 
 
 def rotary_shift(model: torch.nn.Module) -> RotaryShift:
@@ -206,8 +138,8 @@ class Backend:
                          hidden: torch.Tensor) -> list[float]:
         """log p(answer | question `ids`, the cache without the slots hidden[b]) for each row b
         of hidden (B, T) bool: one teacher-forced forward of batch B of the question and the
-        answer at `position`, over the cache as it is (`_BranchCache`: no K/V copy per row, the
-        cache only read). The full-attention layers see the rows as one row of B*L queries
+        answer at `position`, over the cache as it is (`branches.BranchCache`: no K/V copy per
+        row, the cache only read). The full-attention layers see the rows as one row of B*L queries
         (`folded_attention`), which `branch_mask` keeps each on its own tokens and off its
         hidden slots: one batch-1 attention over the cache, not B over broadcast copies of it.
         """
@@ -219,7 +151,7 @@ class Backend:
             out = self.model.model.language_model(
                 input_ids=tokens, position_ids=positions.expand(3, rows, -1),
                 attention_mask={"full_attention": mask, "linear_attention": None},
-                cache=_BranchCache(self.cache, rows, self.model.config.text_config),
+                cache=BranchCache(self.cache, rows, self.model.config.text_config),
                 use_cache=True)
         states = out.last_hidden_state[:, len(ids) - 1:-1]
         return [self.log_prob(states[row:row + 1], answer) for row in range(rows)]
@@ -418,17 +350,11 @@ class Backend:
         return kv, states
 
     # ----------------------------------------------------------------------------- signals
-    @contextmanager
     def recording_write_strength(self, enabled: bool = True) -> Iterator[list[torch.Tensor]]:
         """While active, each chunked gated delta prefill in this thread appends beta*||e|| per
-        token (B, n) to the yielded list. It replays the recurrence token by token: only for
-        policies that score by it."""
-        sink: list[torch.Tensor] = []
-        token = _RECORDING.set((sink, self.strength_fn) if enabled else None)
-        try:
-            yield sink
-        finally:
-            _RECORDING.reset(token)
+        token (B, n) to the yielded list (`kernels.recording_write_strength`). It replays the
+        recurrence token by token: only for policies that score by it."""
+        return recording_write_strength(self.strength_fn, enabled)
 
     @contextmanager
     def attention_mass(self, slots: int) -> Iterator[torch.Tensor]:
@@ -454,101 +380,6 @@ class Backend:
                 handle.remove()
 
 
-class _BranchCache(DynamicCache):
-    """The cache of one forward of `rows` batch rows that each continue `source` (a stream's
-    cache, batch 1) without writing into it: what lets the evidence search test many candidates
-    in one forward, with no copy of the K/V per candidate.
-
-    Full-attention layers (under `Backend.folded_attention`): the source's K/V (1, kv_heads, T,
-    head_dim) by reference, then the rows' new K/V, which arrive folded into one row (row b's
-    token j at slot T + b*L + j): one concatenation per layer for all rows; `branch_mask`
-    keeps each row on its own tokens. Linear-attention layers: each row starts from the
-    source's states (the recurrent state copied to the rows of one layer at a time, as fla's
-    kernels read their rows contiguous), in the prefill branch (never the single-token one,
-    which writes the conv state in place). Nothing is stored: each layer's concatenation and
-    final states are freed after the layer.
-    """
-
-    def __init__(self, source: DynamicCache, rows: int, text_config) -> None:
-        super().__init__(config=text_config)
-        self.source, self.rows = source, rows
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        state = self.source.layers[layer_idx].conv_states[state_idx]
-        return state.expand(self.rows, *state.shape[1:])
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        state = self.source.layers[layer_idx].recurrent_states[state_idx]
-        return state.expand(self.rows, *state.shape[1:]).contiguous()
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return True
-
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                          **_) -> torch.Tensor:
-        return torch.cat([self.get_conv_state(layer_idx, state_idx), conv_states], dim=-1)
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
-                               state_idx: int = 0, **_) -> torch.Tensor:
-        return recurrent_states
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *_, **__) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.source.layers[layer_idx]
-        return (torch.cat([layer.keys, key_states], dim=-2),
-                torch.cat([layer.values, value_states], dim=-2))
-
-
-def branch_mask(hidden: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, B*L, T + B*L) additive attention mask of a `_BranchCache` forward of L tokens a
-    row, folded (`Backend.folded_attention`): query b*L + i (row b's token i) sees the cache
-    slots not in hidden[b] (hidden (B, T) bool) and its own row's new tokens up to itself
-    (slots T + b*L .. T + b*L + i), never another row's. The dtype's lowest value where hidden,
-    as transformers' own masks, so that eager and sdpa attention both take it."""
-    rows, device = hidden.shape[0], hidden.device
-    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
-    own = (torch.eye(rows, dtype=torch.bool, device=device)[:, None, :, None]
-           & causal[None, :, None, :]).reshape(rows, tokens, rows * tokens)
-    seen = torch.cat([(~hidden)[:, None, :].expand(-1, tokens, -1), own], dim=-1)
-    mask = torch.zeros(seen.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~seen, torch.finfo(dtype).min).view(1, 1, rows * tokens, -1)
-
-
-def evidence_batch_bytes(text_config, rows: int, slots: int, tokens: int, answer: int,
-                         dtype: torch.dtype) -> int:
-    """An upper estimate of the bytes `Backend.answer_log_probs` holds at its peak beyond the
-    model and the memory, for `rows` rows of `tokens` tokens (the last `answer` scored) over
-    `slots` cache slots: what `evidence_rows` sizes a batch by and what a memory plan counts.
-
-    The mask and the hidden states (with the MLP's) live through the forward; one layer's work
-    at a time on top: a full-attention layer's folded K/V concatenated and repeated to the
-    query heads, float32 scores and weights; or a linear-attention layer's three float32
-    recurrent states per row, its chunk kernel's float32 work (64-token chunks) and the conv
-    input. Then one row's answer logits and their log-softmax in float32.
-    """
-    text, size = text_config, torch.finfo(dtype).bits // 8
-    queries, keys = rows * tokens, slots + rows * tokens
-    hidden = queries * (keys + 4 * text.hidden_size + 3 * text.intermediate_size) * size
-    full = (2 * (text.num_key_value_heads + text.num_attention_heads) * keys * text.head_dim
-            * size + 2 * text.num_attention_heads * queries * keys * 4)
-    k_dim, v_dim = text.linear_key_head_dim, text.linear_value_head_dim
-    conv = 2 * text.linear_num_key_heads * k_dim + text.linear_num_value_heads * v_dim
-    chunk = max(64, -(-tokens // 64) * 64)
-    linear = (rows * text.linear_num_value_heads * 4
-              * (3 * k_dim * v_dim + chunk * (2 * chunk + 6 * (k_dim + v_dim)))
-              + 2 * rows * conv * (text.linear_conv_kernel_dim + tokens) * size)
-    return hidden + max(full, linear) + 2 * answer * text.vocab_size * 4
-
-
-def evidence_rows(bound: int, text_config, slots: int, tokens: int, answer: int,
-                  dtype: torch.dtype, most: int) -> int:
-    """How many rows (at most `most`, at least 1) one batched evidence forward takes so that
-    `evidence_batch_bytes` stays within `bound`."""
-    return max((rows for rows in range(1, most + 1)
-                if evidence_batch_bytes(text_config, rows, slots, tokens, answer, dtype)
-                <= bound), default=1)
-
-
 def _rotated_queries(module: torch.nn.Module, hidden: torch.Tensor, embeddings) -> torch.Tensor:
     """The attention layer's queries (1, heads, L, head_dim) after rotary, as its forward makes
     them."""
@@ -558,32 +389,6 @@ def _rotated_queries(module: torch.nn.Module, hidden: torch.Tensor, embeddings) 
     query = module.q_norm(query.view(shape)).transpose(1, 2)
     cos, sin = embeddings
     return modeling_qwen3_5.apply_rotary_pos_emb(query, query, cos, sin)[0]
-
-
-def attention_mass_of(queries: torch.Tensor, keys: torch.Tensor, scaling: float, groups: int,
-                      slots: int, slice_elements: int = EVIDENCE_SLICE_ELEMENTS) -> torch.Tensor:
-    """Causal softmax attention of the last L cache entries' queries, summed over heads and
-    queries, on slots 0..slots-1: (slots,) float32.
-
-    queries (1, heads, L, d) of the cache's last L entries; keys (1, kv_heads, S, d), S >= L.
-    As eager attention computes it (logits in the model's dtype, softmax in float32, weights
-    back in the model's dtype), but L is walked in slices of at most `slice_elements` logits,
-    so a long question needs bounded memory. `reference.attention_mass_reference` is the
-    one-shot version.
-    """
-    heads, length, total = queries.shape[1], queries.shape[2], keys.shape[2]
-    keys = keys.repeat_interleave(groups, dim=1)
-    rows = max(1, slice_elements // (heads * total))
-    mass = torch.zeros(slots, device=queries.device)
-    for start in range(0, length, rows):
-        part = queries[..., start:start + rows, :]
-        logits = torch.matmul(part, keys.transpose(2, 3)) * scaling  # (1, H, r, S)
-        seen = total - length + start + torch.arange(part.shape[2], device=queries.device)
-        hidden = torch.arange(total, device=queries.device)[None, :] > seen[:, None]
-        logits = logits.masked_fill(hidden, float("-inf"))
-        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
-        mass += weights[..., :slots].float().sum((0, 1, 2))
-    return mass
 
 
 class _StateBuffers:
@@ -638,83 +443,3 @@ def _rows(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Row i of a (L, n) buffer, cut and viewed to the shape of like[i]."""
     return [row[:t.numel()].view(t.shape) for row, t in zip(buffer.unbind(0), like)]
 
-
-def fill_slots(caches: list[torch.Tensor], holes: torch.Tensor, movers: torch.Tensor,
-               size: int) -> list[torch.Tensor]:
-    """Each (B, kv_heads, T, head_dim) tensor cut to `size` slots with slots `movers` copied
-    into slots `holes` (in place: the results are views of the inputs). Every mover is read
-    before anything is written."""
-    moving = [cache.index_select(-2, movers) for cache in caches]
-    return [cache[..., :size, :].index_copy_(-2, holes, rows)
-            for cache, rows in zip(caches, moving)]
-
-
-def move_slots(caches: list[torch.Tensor], moves: Sequence[tuple[int, int, int]], size: int,
-               to_device: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-    """Each (B, kv_heads, T, head_dim) tensor cut to `size` slots with `moves` (to, source,
-    count) applied in place (the results are views of the inputs): one index_copy_ into the
-    holes per tensor, from one slice when the sources are one range (the newest chunk, usually)
-    instead of a gathered copy. Sources lie at or above `size` and targets below it, so nothing
-    is read after it was written. to_device: a host index tensor onto the caches' device."""
-    def index(ranges: list[tuple[int, int]]) -> torch.Tensor:
-        return to_device(torch.from_numpy(
-            np.concatenate([np.arange(first, first + count) for first, count in ranges])))
-
-    if not moves:  # only slots at or above `size` were evicted
-        return [cache.narrow(-2, 0, size) for cache in caches]
-    targets = index([(to, count) for to, _, count in moves])
-    if any(b[1] != a[1] + a[2] for a, b in zip(moves, moves[1:])):  # scattered sources
-        return fill_slots(caches, targets, index([(s, count) for _, s, count in moves]), size)
-    first, moved = moves[0][1], sum(count for _, _, count in moves)
-    return [cache.narrow(-2, 0, size).index_copy_(-2, targets, cache.narrow(-2, first, moved))
-            for cache in caches]
-
-
-# ----------------------------------------------------------------------------- training
-def training_cache(text_config) -> DynamicCache:
-    """An empty cache for a batched training forward (train.py)."""
-    return DynamicCache(config=text_config)
-
-
-def repeat_cache(cache: DynamicCache, repeats: int, text_config) -> DynamicCache:
-    """A new cache holding each batch row of `cache` `repeats` times (rows b*repeats + q), so
-    one stream prefill serves several questions in training.
-
-    Its Gated DeltaNet layers replace their states instead of updating them in place, so
-    gradients flow back through the questions into the stream (transformers' cache copies
-    into fixed buffers for cudagraphs, which autograd cannot go back through).
-    """
-    out = DynamicCache(config=text_config)
-    for old, new in zip(cache.layers, out.layers):
-        if hasattr(old, "recurrent_states"):
-            new.conv_states[0] = old.conv_states[0].repeat_interleave(repeats, 0)
-            new.recurrent_states[0] = old.recurrent_states[0].repeat_interleave(repeats, 0)
-            new.conv_kernel_size[0] = old.conv_kernel_size[0]
-            new.dtype, new.device = old.dtype, old.device
-            new.is_conv_states_initialized[0] = new.is_recurrent_states_initialized[0] = True
-            new.has_previous_state[0] = True
-            new.record_past = True  # conv states: assigned, not copied in place
-            new.update_recurrent_state = _assigning_update(new)
-        if getattr(old, "keys", None) is not None:
-            new.lazy_initialization(old.keys, old.values)
-            new.keys = old.keys.repeat_interleave(repeats, 0)
-            new.values = old.values.repeat_interleave(repeats, 0)
-    return out
-
-
-def _assigning_update(layer) -> Callable[..., torch.Tensor]:
-    def update(recurrent_states: torch.Tensor, state_idx: int = 0, **_) -> torch.Tensor:
-        layer.recurrent_states[state_idx] = recurrent_states
-        return recurrent_states
-    return update
-
-
-def gather_slots(cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """cache[..., keep, :] for a (B, kv_heads, T, head_dim) K or V tensor.
-
-    Through a (B * kv_heads, T, head_dim) view: PyTorch's CPU index_select is faster on it than
-    on the 4-D tensor at small sizes (part of the eviction speed-up `bench.engine_overhead`
-    shows); test_backend checks it against index_select on the 4-D tensor.
-    """
-    batch, heads, _, dim = cache.shape
-    return cache.reshape(batch * heads, -1, dim).index_select(1, keep).view(batch, heads, -1, dim)

@@ -23,8 +23,8 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
-from .backend import select_gated_delta_kernels
 from .chunks import DEFAULT_PIXEL_BUDGET
+from .kernels import select_gated_delta_kernels
 
 # The model shipped with the package (README "The shipped model"): used wherever a model path is
 # optional and left empty. MODEL_INFO_FILE beside a model's weights records how it was trained.

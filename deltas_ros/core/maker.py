@@ -23,8 +23,8 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
-from .backend import linear_attention_modules
 from .chunks import DEFAULT_PIXEL_BUDGET
+from .kernels import linear_attention_modules
 from .loader import read_config
 
 # Offsets of Qwen's special tokens from <|vision_start|>, as in Qwen2.5/3/3.5's vocabularies.

@@ -8,7 +8,7 @@ both side by side.
     fast path                          reference
     policy.select_keep / select_runs   select_keep_reference
     drift.state_drift                  state_drift_reference
-    backend.attention_mass_of          attention_mass_reference
+    kv_slots.attention_mass_of         attention_mass_reference
     StreamingMemory.evict_to_budget    gather_evict (gather_table + gather_cache)
     SlotTable.keep_slots / keep_runs   fill_plan + fill_table, fill_cache
     asking.leave_one_out_batched       leave_one_out
@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from .asking import text_positions
-from .backend import Backend, fill_slots, gather_slots
+from .backend import Backend
 from .drift import check_states, drift_ratio
+from .kv_slots import fill_slots, gather_slots
 from .policy import check_limits, select_keep
 from .slots import SlotTable
 
@@ -84,7 +85,7 @@ def state_drift_reference(
 
 def attention_mass_reference(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
                              groups: int, slots: int) -> torch.Tensor:
-    """`backend.attention_mass_of` in one piece (all L x S logits at once)."""
+    """`kv_slots.attention_mass_of` in one piece (all L x S logits at once)."""
     length, total = queries.shape[2], keys.shape[2]
     keys = keys.repeat_interleave(groups, dim=1)
     logits = torch.matmul(queries, keys.transpose(2, 3)) * scaling

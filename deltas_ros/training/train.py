@@ -6,7 +6,7 @@ A training sample is exactly what `StreamingMemory` sees (test_train.py checks t
 positions): the chat prefix of `ChatLayout`, then one chunk per second built by
 `ChunkBuilder.build` at the running position (2 frames at 2 fps), then the question closing the
 user turn at the next position, then the answer. Each step prefills B streams once and asks Q
-questions of each: the stream cache is repeated Q times (`backend.repeat_cache`), so one stream
+questions of each: the stream cache is repeated Q times (`cache.repeat_cache`), so one stream
 forward serves Q supervised answers. Loss on the answer tokens (and <|im_end|>) only.
 
 Vision first (config `vision_pretrain`), as vision-language models pretrain their vision encoder:
@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 from tokenizers import AddedToken
 from tqdm import tqdm
+from transformers.cache_utils import DynamicCache
 
-from ..core.backend import repeat_cache, select_gated_delta_kernels, training_cache
 from ..core.chunks import ChunkBuilder
+from ..core.kernels import select_gated_delta_kernels
 from ..core.loader import MODEL_INFO_FILE, load_model
 from ..core.maker import (
     TINY_VISION_START_ID,
@@ -54,6 +55,7 @@ from ..core.maker import (
     tiny_config,
 )
 from ..core.prompt import ChatLayout
+from .cache import repeat_cache
 from .questions import (
     DOMAIN_WORDS,
     FORMS,
@@ -354,7 +356,7 @@ def forward(model, batch: Batch, device: torch.device) -> torch.Tensor:
     streams = batch.streams
     ids = torch.stack([s.input_ids for s in streams]).to(device)
     positions = torch.stack([s.positions for s in streams], 1).to(device)
-    cache = training_cache(text_config)
+    cache = DynamicCache(config=text_config)
     model.model(
         input_ids=ids,
         pixel_values_videos=torch.cat([s.pixel_values for s in streams]).to(device),

@@ -1,0 +1,110 @@
+"""The evidence search's batched forward: many candidates as rows of one forward over the
+stream's cache as it is, each hiding its slots by the attention mask, with no K/V copy.
+
+`Backend.answer_log_probs` runs it; `evidence_batch_bytes` sizes it, for the search's batches
+and for the memory plan.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+# Bytes one batched evidence forward may hold at its peak (`evidence_rows`): about one copy of
+# the K/V at 9B and M = 8192 in bf16, what the evidence search's copy per candidate used to take.
+EVIDENCE_BATCH_BYTES = 512 << 20
+
+
+class BranchCache(DynamicCache):
+    """The cache of one forward of `rows` batch rows that each continue `source` (a stream's
+    cache, batch 1) without writing into it: what lets the evidence search test many candidates
+    in one forward, with no copy of the K/V per candidate.
+
+    Full-attention layers (under `Backend.folded_attention`): the source's K/V (1, kv_heads, T,
+    head_dim) by reference, then the rows' new K/V, which arrive folded into one row (row b's
+    token j at slot T + b*L + j): one concatenation per layer for all rows; `branch_mask`
+    keeps each row on its own tokens. Linear-attention layers: each row starts from the
+    source's states (the recurrent state copied to the rows of one layer at a time, as fla's
+    kernels read their rows contiguous), in the prefill branch (never the single-token one,
+    which writes the conv state in place). Nothing is stored: each layer's concatenation and
+    final states are freed after the layer.
+    """
+
+    def __init__(self, source: DynamicCache, rows: int, text_config) -> None:
+        super().__init__(config=text_config)
+        self.source, self.rows = source, rows
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        state = self.source.layers[layer_idx].conv_states[state_idx]
+        return state.expand(self.rows, *state.shape[1:])
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        state = self.source.layers[layer_idx].recurrent_states[state_idx]
+        return state.expand(self.rows, *state.shape[1:]).contiguous()
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return True
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          **_) -> torch.Tensor:
+        return torch.cat([self.get_conv_state(layer_idx, state_idx), conv_states], dim=-1)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
+                               state_idx: int = 0, **_) -> torch.Tensor:
+        return recurrent_states
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *_, **__) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.source.layers[layer_idx]
+        return (torch.cat([layer.keys, key_states], dim=-2),
+                torch.cat([layer.values, value_states], dim=-2))
+
+
+def branch_mask(hidden: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, B*L, T + B*L) additive attention mask of a `BranchCache` forward of L tokens a
+    row, folded (`Backend.folded_attention`): query b*L + i (row b's token i) sees the cache
+    slots not in hidden[b] (hidden (B, T) bool) and its own row's new tokens up to itself
+    (slots T + b*L .. T + b*L + i), never another row's. The dtype's lowest value where hidden,
+    as transformers' own masks, so that eager and sdpa attention both take it."""
+    rows, device = hidden.shape[0], hidden.device
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+    own = (torch.eye(rows, dtype=torch.bool, device=device)[:, None, :, None]
+           & causal[None, :, None, :]).reshape(rows, tokens, rows * tokens)
+    seen = torch.cat([(~hidden)[:, None, :].expand(-1, tokens, -1), own], dim=-1)
+    mask = torch.zeros(seen.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~seen, torch.finfo(dtype).min).view(1, 1, rows * tokens, -1)
+
+
+def evidence_batch_bytes(text_config, rows: int, slots: int, tokens: int, answer: int,
+                         dtype: torch.dtype) -> int:
+    """An upper estimate of the bytes `Backend.answer_log_probs` holds at its peak beyond the
+    model and the memory, for `rows` rows of `tokens` tokens (the last `answer` scored) over
+    `slots` cache slots: what `evidence_rows` sizes a batch by and what a memory plan counts.
+
+    The mask and the hidden states (with the MLP's) live through the forward; one layer's work
+    at a time on top: a full-attention layer's folded K/V concatenated and repeated to the
+    query heads, float32 scores and weights; or a linear-attention layer's three float32
+    recurrent states per row, its chunk kernel's float32 work (64-token chunks) and the conv
+    input. Then one row's answer logits and their log-softmax in float32.
+    """
+    text, size = text_config, torch.finfo(dtype).bits // 8
+    queries, keys = rows * tokens, slots + rows * tokens
+    hidden = queries * (keys + 4 * text.hidden_size + 3 * text.intermediate_size) * size
+    full = (2 * (text.num_key_value_heads + text.num_attention_heads) * keys * text.head_dim
+            * size + 2 * text.num_attention_heads * queries * keys * 4)
+    k_dim, v_dim = text.linear_key_head_dim, text.linear_value_head_dim
+    conv = 2 * text.linear_num_key_heads * k_dim + text.linear_num_value_heads * v_dim
+    chunk = max(64, -(-tokens // 64) * 64)
+    linear = (rows * text.linear_num_value_heads * 4
+              * (3 * k_dim * v_dim + chunk * (2 * chunk + 6 * (k_dim + v_dim)))
+              + 2 * rows * conv * (text.linear_conv_kernel_dim + tokens) * size)
+    return hidden + max(full, linear) + 2 * answer * text.vocab_size * 4
+
+
+def evidence_rows(bound: int, text_config, slots: int, tokens: int, answer: int,
+                  dtype: torch.dtype, most: int) -> int:
+    """How many rows (at most `most`, at least 1) one batched evidence forward takes so that
+    `evidence_batch_bytes` stays within `bound`."""
+    return max((rows for rows in range(1, most + 1)
+                if evidence_batch_bytes(text_config, rows, slots, tokens, answer, dtype)
+                <= bound), default=1)
