@@ -65,7 +65,8 @@ from deltas_ros.core.frames import FrameGate, FrameSampler, decode_message, mess
 from deltas_ros.core.maker import make_tokenizer, tiny_config
 from deltas_ros.ros.adapters import CameraSubscription
 from deltas_ros.ros.cdr import raw_header, raw_stamp
-from deltas_ros.ros.node import EXECUTOR_THREADS, FRAME_HISTORY
+from deltas_ros.ros.lifecycle import FRAME_HISTORY
+from deltas_ros.ros.node import EXECUTOR_THREADS
 
 from .camera_pub import frame_bank
 from .common import (

@@ -181,7 +181,7 @@ def test_the_states_live_in_the_stacked_buffers_and_the_model_updates_them_in_pl
     feed(memory, range(3))
     memory.ask("What is on the table?")
     feed(memory, range(3, 5))
-    states = memory.backend._buffers
+    states = memory.backend.buffers
     bases = {t.untyped_storage().data_ptr() for t in states.buffers}
     live = memory.backend.recurrent_states() + memory.backend.conv_states()
     assert all(s.untyped_storage().data_ptr() in bases for s in live)
@@ -207,10 +207,10 @@ def test_a_state_the_model_replaced_is_refused_not_read_stale(tiny_model):
 def test_a_reset_moves_the_new_cache_s_states_into_the_buffers(tiny_model):
     memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     feed(memory, range(2))
-    old = memory.backend._buffers
+    old = memory.backend.buffers
     memory.reset()
     first = feed(memory, range(1))[0]
-    assert memory.backend._buffers is not old
+    assert memory.backend.buffers is not old
     fresh = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
     assert feed(fresh, range(1))[0].layer_drift == first.layer_drift
 
@@ -235,9 +235,9 @@ def stand_in_kernels(monkeypatch):
     for name in kernels.KERNEL_NAMES:
         monkeypatch.setattr(modeling_qwen3_5, name, stand_in(name))
     monkeypatch.setattr(kernels, "fla_available", lambda: True)
-    kernels._gated_delta_forward.cache_clear()
+    kernels.gated_delta_forward.cache_clear()
     yield calls
-    kernels._gated_delta_forward.cache_clear()
+    kernels.gated_delta_forward.cache_clear()
 
 
 def _fresh_model(tiny_model_dir) -> LoadedModel:

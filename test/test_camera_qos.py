@@ -104,11 +104,11 @@ def test_the_camera_thread_ends_quietly_when_a_signal_shuts_the_context_down(con
     spin_once raises RCLError (no wait set on a dead context), not ExternalShutdownException.
     A suite run under load once caught that traceback in the node's stderr at exit."""
     camera = subscribe(Node("memory", context=context))
-    camera._stop.set()
+    camera.stopping.set()
     camera.thread.join()
-    camera._stop.clear()
+    camera.stopping.clear()
     context.shutdown()
-    camera._spin()  # the thread's loop, after the signal: returns without raising
+    camera.spin()  # the thread's loop, after the signal: returns without raising
 
 
 def test_the_relative_name_image_is_remappable(context):

@@ -124,3 +124,12 @@ def test_only_the_door_loader_maker_and_training_name_transformers():
 def test_no_module_is_over_the_line_limit():
     long = {m: n for m in modules() if (n := len(source(m).splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_the_memory_class_and_the_node_stay_short():
+    """The two files a reader opens first: the engine's class and the node's wiring."""
+    tree = ast.parse(source("core.memory"))
+    memory = next(n for n in tree.body if isinstance(n, ast.ClassDef)
+                  and n.name == "StreamingMemory")
+    assert memory.end_lineno - memory.lineno < 300
+    assert len(source("ros.node").splitlines()) < 300

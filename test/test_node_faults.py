@@ -23,8 +23,10 @@ from ros_helpers import SMALL, Tester, send_goal, set_parameter, status_values, 
 from std_srvs.srv import Trigger
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
+from deltas_ros.ros import lifecycle
 from deltas_ros.ros import node as node_module
 from deltas_ros.ros.node import EXECUTOR_THREADS, FINALIZED, NOT_READY, QUESTION_SLOTS, MemoryNode
+from deltas_ros.runtime import health
 from deltas_ros.runtime import session as session_module
 
 
@@ -123,7 +125,7 @@ def test_services_answer_not_ready_while_the_model_loads(tiny_model_dir, ros_env
 
 def test_a_chunk_that_runs_out_of_memory_turns_diagnostics_error_and_the_node_goes_on(
         tiny_model_dir, ros_env, monkeypatch):
-    monkeypatch.setattr(session_module, "ERROR_HOLD_S", 2.0)  # 10 s on a robot
+    monkeypatch.setattr(health, "ERROR_HOLD_S", 2.0)  # 10 s on a robot
     tester = Tester()
     try:
         with node_in_process(tiny_model_dir, silence_warn_s="30.0") as node:
@@ -237,7 +239,7 @@ def test_a_callback_that_raises_answers_a_failure_and_the_next_request_is_served
 
 def test_after_shutdown_requests_hear_finalized_and_the_process_leaves(tiny_model_dir, ros_env,
                                                                        monkeypatch):
-    monkeypatch.setattr(node_module, "EXIT_DELAY_S", 5.0)  # a window wide enough to ask
+    monkeypatch.setattr(lifecycle, "EXIT_DELAY_S", 5.0)  # a window wide enough to ask
     tester = Tester()
     try:
         with node_in_process(tiny_model_dir) as node:

@@ -8,10 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import rclpy
 from deltas_ros.action import AskMemory as AskAction
+from rclpy.context import Context
+from rclpy.lifecycle import LifecycleNode
 from ros_helpers import BASE_STAMP, Tester, indices, send_goal, start, status_values, stop
 
 from deltas_ros.core.maker import make_model, tiny_config
+from deltas_ros.ros.adapters import lifecycle_state
 
 BIG_VOCAB = 300_000  # embedding + lm_head: 38 M parameters (154 MB) and almost no compute
 MODEL_BYTES = 2 * BIG_VOCAB * tiny_config().text_config.hidden_size * 4
@@ -30,6 +34,23 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+def test_the_lifecycle_state_is_rclpys_own(ros_env):
+    """The state diagnostics report is read from rclpy's state machine (a private name rclpy
+    may move: this fails naming it)."""
+    context = Context()
+    rclpy.init(context=context)
+    try:
+        node = LifecycleNode("lifecycle_probe", context=context)
+        assert lifecycle_state(node) == "unconfigured"
+        node.trigger_configure()
+        assert lifecycle_state(node) == "inactive"
+        node.trigger_activate()
+        assert lifecycle_state(node) == "active"
+        node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)
 
 
 def test_every_transition_over_dds(big_model_dir, ros_env, tmp_path):

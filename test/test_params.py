@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deltas_ros.core.loader import default_model_path, resolve_pixel_budget
+from deltas_ros.core.loader import SHIPPED_MODEL, resolve_pixel_budget
 from deltas_ros.runtime import params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_engine_limits_reach_the_memory_config():
 def test_empty_model_path_is_the_shipped_model_at_its_pixel_budget():
     assert params.validate({}) is None
     values = params.resolved(params.defaults())
-    assert values["model_path"] == str(default_model_path())
+    assert values["model_path"] == str(SHIPPED_MODEL)
     assert params.memory_config(values).pixel_budget == resolve_pixel_budget(0, "")
     assert params.memory_config(values | {"pixel_budget": 4096}).pixel_budget == 4096
 

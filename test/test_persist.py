@@ -87,7 +87,7 @@ def rewrite(source, target, change, keep_checksum=True):
     if not keep_checksum:  # as anyone who can write the file can; an HMAC stays as it was
         metadata.pop("sha256")
         signature = metadata.pop("hmac", None)
-        metadata["sha256"] = persist._checksum(metadata, tensors)
+        metadata["sha256"] = persist.digests(metadata, tensors, None)[0]
         if signature is not None:
             metadata["hmac"] = signature
     save_file(tensors, target, metadata={persist.METADATA_KEY: json.dumps(metadata)})

@@ -119,7 +119,7 @@ def test_the_plan_counts_what_the_engine_holds(tiny_model):
                      available=2**40)
     kv, states = memory.backend.nbytes()
     assert (plan.kv_bytes, plan.state_bytes + plan.conv_state_bytes) == (kv, states)
-    buffers = sum(b.nbytes for b in memory.backend._buffers.buffers)
+    buffers = sum(b.nbytes for b in memory.backend.buffers.buffers)
     assert buffers == 3 * states == states + plan.snapshot_bytes
     chunk = memory.builder.build(frames_for(0), [0.0, 0.5], 0)
     video = int((chunk.input_ids == tiny_model.model.config.video_token_id).sum())

@@ -84,7 +84,7 @@ def test_the_node_s_model_path_loads_the_published_layout(published, tmp_path):
                                   "window_tokens": 40, "device": "cpu"}
     memory, problem = Session.configure(values).open_memory()
     assert problem == "" and memory.loaded.path == published
-    assert memory._stop_ids == stop_token_ids(published, memory.tokenizer)
+    assert memory.stop_ids == stop_token_ids(published, memory.tokenizer)
 
 
 def test_make_model_writes_the_published_layout_from_the_command_line(tmp_path):

@@ -241,7 +241,7 @@ def test_replay_stops_cleanly_on_sigint(bag, ros_env, moment, signum):
 
 
 def test_a_stop_signal_during_a_publish_still_counts_that_frame(bag):
-    """A stop request acts only before the next frame (`_STOP`): a stop between the publish
+    """A stop request acts only before the next frame (`STOP`): a stop between the publish
     and the count once made the stats say 4 where 5 had been received."""
     sent = []
 
@@ -249,17 +249,17 @@ def test_a_stop_signal_during_a_publish_still_counts_that_frame(bag):
         def publish(self, data: bytes) -> None:
             sent.append(data)
             if len(sent) == 3:
-                replay._STOP.request("SIGINT")  # as the handler does, mid-publish
+                replay.STOP.request("SIGINT")  # as the handler does, mid-publish
 
     stats = {"published": {TOPIC: 0}, "late_ms_max": 0.0}
     try:
         with pytest.raises(KeyboardInterrupt, match="SIGINT"):
-            replay._play_once(bag, 100.0, {TOPIC: SignalledWhilePublishing()}, None, None,
+            replay.play_once(bag, 100.0, {TOPIC: SignalledWhilePublishing()}, None, None,
                               stats)
     finally:
-        replay._STOP.clear()
+        replay.STOP.clear()
     assert stats["published"][TOPIC] == len(sent) == 3
-    replay._STOP.check()  # cleared: nothing left pending
+    replay.STOP.check()  # cleared: nothing left pending
 
 
 def test_a_stop_request_never_unwinds_through_the_bag_reader(bag, monkeypatch):
@@ -270,16 +270,16 @@ def test_a_stop_request_never_unwinds_through_the_bag_reader(bag, monkeypatch):
     real = replay.read_images
 
     def reader_signalled(path, topics):
-        replay._STOP.request("SIGINT")  # lands while the bag is being opened
+        replay.STOP.request("SIGINT")  # lands while the bag is being opened
         yield from real(path, topics)
 
     monkeypatch.setattr(replay, "read_images", reader_signalled)
     stats = {"published": {TOPIC: 0}, "late_ms_max": 0.0}
     try:
         with pytest.raises(KeyboardInterrupt) as raised:
-            replay._play_once(bag, 1.0, {TOPIC: None}, None, None, stats)
+            replay.play_once(bag, 1.0, {TOPIC: None}, None, None, stats)
     finally:
-        replay._STOP.clear()
+        replay.STOP.clear()
     assert raised.traceback[-1].name == "check" and stats["published"][TOPIC] == 0
     assert not any("bag" in entry.path.name for entry in raised.traceback)
 

@@ -152,10 +152,10 @@ def test_a_chunk_past_the_newest_pose_waits_for_the_pose_after_it(ros_env, monke
     try:
         node = rclpy.create_node("pose_wait_test", context=context)
         poses = PoseInput(node, "/pose_wait_test", "pose_stamped", 0.5, lambda: None)
-        poses._on_pose(pose_message("pose_stamped", 1.0, "map", (1.0, 0.0, 0.0),
+        poses.on_pose(pose_message("pose_stamped", 1.0, "map", (1.0, 0.0, 0.0),
                                     (0.0, 0.0, 0.0, 1.0)))
         later = threading.Timer(
-            0.05, poses._on_pose, [pose_message("pose_stamped", 1.1, "map", (2.0, 0.0, 0.0),
+            0.05, poses.on_pose, [pose_message("pose_stamped", 1.1, "map", (2.0, 0.0, 0.0),
                                      (0.0, 0.0, 0.0, 1.0))])
         monkeypatch.setattr(ros_memory, "POSE_WAIT_S", 30.0)  # a late timer on a busy machine
         later.start()

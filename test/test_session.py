@@ -20,15 +20,9 @@ from deltas_ros.core.persistence import load_memory
 from deltas_ros.runtime import params
 from deltas_ros.runtime import session as session_module
 from deltas_ros.runtime.files import MemoryFiles
-from deltas_ros.runtime.session import (
-    FRAME_ID_MAX,
-    LATENCY_WINDOW,
-    NOT_READY,
-    Level,
-    Session,
-    StreamRecord,
-    continue_clock,
-)
+from deltas_ros.runtime.health import Level
+from deltas_ros.runtime.session import FRAME_ID_MAX, LATENCY_WINDOW, NOT_READY, Session
+from deltas_ros.runtime.stream_record import StreamRecord, continue_clock
 
 BASE = 1_700_000_000.0
 VALUES = params.defaults() | {"model_path": "/models/tiny", "pixel_budget": 4096,
@@ -50,8 +44,9 @@ class Running:
         self.session.attach(self.memory, self._on_chunk)
         self.worker = self.session.worker
 
-    def _on_chunk(self, chunk, result) -> None:
-        self.session.chunk_done(chunk, result)
+    def _on_chunk(self, chunk, result, held) -> None:
+        """The session has recorded the chunk before it is published."""
+        assert self.session.last_result is result and held == self.session.stats.retained_chunks
         self.reports.append((chunk.index, result.time, result.drift))
 
     def push(self, start: float, seconds: float) -> None:

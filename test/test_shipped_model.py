@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltas_ros.core.loader import default_model_path, load_model, resolve_pixel_budget
+from deltas_ros.core.loader import SHIPPED_MODEL, load_model, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import ChunkSignals, RetentionPolicy
 from deltas_ros.tools.cli import main
@@ -24,7 +24,7 @@ SECONDS = 12
 
 @pytest.fixture(scope="module")
 def shipped():
-    return load_model(default_model_path(), "cpu")
+    return load_model(SHIPPED_MODEL, "cpu")
 
 
 class EvictChunks(RetentionPolicy):
@@ -42,7 +42,7 @@ class EvictChunks(RetentionPolicy):
 
 def _memory(shipped, budget: int, policy: RetentionPolicy | None = None) -> StreamingMemory:
     config = MemoryConfig(budget_tokens=budget, sink_tokens=6, window_tokens=14, buckets=1,
-                          pixel_budget=resolve_pixel_budget(0, default_model_path()))
+                          pixel_budget=resolve_pixel_budget(0, SHIPPED_MODEL))
     memory = StreamingMemory(shipped, config)
     if policy is not None:
         memory.policy = policy

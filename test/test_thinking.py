@@ -14,7 +14,7 @@ import pytest
 from engine_helpers import TINY_FRAMES, feed
 
 from deltas_ros.core import asking
-from deltas_ros.core.loader import default_model_path, load_model
+from deltas_ros.core.loader import SHIPPED_MODEL, load_model
 from deltas_ros.core.maker import CHAT_TEMPLATE
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.prompt import ChatLayout
@@ -36,7 +36,7 @@ def test_the_layout_renders_thinking_off_unless_asked(tiny_model):
 
 def test_a_template_without_the_rule_renders_as_before():
     """The shipped model's template writes the closed block whatever the flag."""
-    tokenizer = load_model(default_model_path(), "cpu").tokenizer
+    tokenizer = load_model(SHIPPED_MODEL, "cpu").tokenizer
     for thinking in (False, True):
         layout = ChatLayout.from_tokenizer(tokenizer, thinking)
         assert layout.after_question.endswith(CLOSED) and not layout.opens_reasoning
@@ -74,7 +74,7 @@ def test_run_answers_the_same_with_a_thinking_template_and_splits_with_thinking(
     as with its own template; `--thinking` opens the block, and what the model writes in it
     (this model never learned to reason, so it answers inside it) is printed as reasoning."""
     model = tmp_path / "thinking-template"
-    shutil.copytree(default_model_path(), model)
+    shutil.copytree(SHIPPED_MODEL, model)
     (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     bag = write_synth_bag(tmp_path / "bag", duration_s=20, fps=4.0, width=128, height=96,
                           seed=0, scenes=SceneOptions())

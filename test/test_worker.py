@@ -114,7 +114,7 @@ def test_reset_keeps_its_place_among_chunks():
     memory = FakeMemory()
     worker, _ = make_worker(memory, queue=10)
     worker.submit_chunk(chunk(0))
-    worker.request_reset()
+    worker.post(lambda memory: memory.reset(), "reset")
     worker.submit_chunk(chunk(1))
     memory.gate.set()
     assert wait_until(lambda: len(memory.log) >= 3)
@@ -256,7 +256,7 @@ def test_discarding_drops_waiting_chunks_only_and_counts_them():
     worker.submit_chunk(chunk(0))
     assert memory.busy.wait(5)
     worker.submit_chunk(chunk(1))
-    worker.request_reset()
+    worker.post(lambda memory: memory.reset(), "reset")
     worker.submit_chunk(chunk(2))
     assert worker.discard_chunks() == 2 and worker.queue_depth == 0
     memory.gate.set()

@@ -91,7 +91,7 @@ class Backend:
         self.cache = DynamicCache(config=text)
         self.fla_kernels = select_gated_delta_kernels(model, device)  # per instance; idempotent
         self.strength_fn: Callable = write_strength  # a benchmark may wrap it to time it
-        self._buffers: _StateBuffers | None = None
+        self.buffers: _StateBuffers | None = None
         self._generation = 0
 
     def reset(self) -> None:
@@ -226,12 +226,12 @@ class Backend:
     def _state_buffers(self, adopt: bool = True) -> _StateBuffers:
         """The stacked buffers the cache's states live in; a new cache (after reset) has its
         states moved in first (adopt), else RuntimeError."""
-        buffers = self._buffers
+        buffers = self.buffers
         if buffers is None or not buffers.holds(self.cache, self.linear):
             if not adopt:
                 raise RuntimeError("the linear-attention states were replaced since the "
                                    "snapshot")
-            buffers = self._buffers = _StateBuffers(self.cache, self.linear)
+            buffers = self.buffers = _StateBuffers(self.cache, self.linear)
         return buffers
 
     def _check_current(self, snap: StateSnapshot) -> None:

@@ -49,7 +49,7 @@ def select_gated_delta_kernels(model: torch.nn.Module, device: torch.device) -> 
     Returns whether fla's kernels are in use.
     """
     use_fla = device.type == "cuda" and fla_available()
-    forward = _gated_delta_forward(use_fla)
+    forward = gated_delta_forward(use_fla)
     for module in model.modules():
         if isinstance(module, modeling_qwen3_5.Qwen3_5GatedDeltaNet):
             module.forward = types.MethodType(forward, module)
@@ -57,7 +57,7 @@ def select_gated_delta_kernels(model: torch.nn.Module, device: torch.device) -> 
 
 
 @functools.cache
-def _gated_delta_forward(use_fla: bool) -> types.FunctionType:
+def gated_delta_forward(use_fla: bool) -> types.FunctionType:
     """Qwen3_5GatedDeltaNet.forward's code over a copy of its globals with our kernels."""
     raw = inspect.unwrap(modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward)
     chunk, recurrent = (getattr(modeling_qwen3_5, name) for name in KERNEL_NAMES)

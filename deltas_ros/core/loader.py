@@ -39,11 +39,6 @@ DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "_name_or_path"}
 
 
-def default_model_path() -> Path:
-    """The shipped model: a tiny Qwen3.5 trained on generated scene streams."""
-    return SHIPPED_MODEL
-
-
 def resolve_model_path(path: str | Path | None) -> Path:
     """`path`, or the shipped model when it is empty or None."""
     return Path(path) if path else SHIPPED_MODEL

@@ -79,7 +79,7 @@ class StreamingMemory:
         self.builder = ChunkBuilder.for_model(self.model, self.tokenizer, self.config.pixel_budget)
         self.backend = Backend(self.model, self.device, loaded.dtype)
         self.max_positions = self.backend.max_positions
-        self._stop_ids = stop_token_ids(loaded.path, self.tokenizer)
+        self.stop_ids = stop_token_ids(loaded.path, self.tokenizer)
         self.layout = ChatLayout.from_tokenizer(self.tokenizer, self.config.thinking)
         # Where a reasoning block ends (None: the answer is all that is generated).
         self._think_end = self.tokenizer.convert_tokens_to_ids(THINK_END) \
@@ -239,7 +239,7 @@ class StreamingMemory:
 
         generated, evidence, stop = self._rolled_back_on_failure(
             lambda snapshot: answer_question(
-                self.backend, self.slots, ids, self.next_position, limit, self._stop_ids,
+                self.backend, self.slots, ids, self.next_position, limit, self.stop_ids,
                 start + self.config.max_question_s,
                 Evidence(self.config.evidence_chunks, self.config.evidence_candidates,
                          lambda: self.backend.restore(snapshot.states)),

@@ -64,7 +64,7 @@ from .loader import config_sha256
 from .memory import MemoryState, StreamingMemory
 from .poses import Pose
 from .slots import MAX_CHUNKS
-from .state_check import expected_tensors
+from .state_check import check_tensor_names, expected_tensors
 
 FORMAT = "deltas_ros.memory"
 FORMAT_VERSION = 3  # 2: slots.arrival (slots may sit out of arrival order); 3: chunk_poses
@@ -122,7 +122,7 @@ def save_memory(memory: StreamingMemory, path: str | Path, extra: dict | None = 
         "extra": dict(extra or {}),
     }
     # Raises for non-JSON extra: nothing written.
-    metadata["sha256"], signature = _digests(metadata, tensors, key)
+    metadata["sha256"], signature = digests(metadata, tensors, key)
     if signature is not None:
         metadata["hmac"] = signature
     header = {METADATA_KEY: json.dumps(metadata, allow_nan=False)}
@@ -165,7 +165,7 @@ def load_memory(memory: StreamingMemory, path: str | Path, key: bytes | None = N
     except SafetensorError as error:
         raise MemoryFileError(f"{path} is truncated or not a safetensors file: {error}") from error
     claimed, signature = metadata.pop("sha256"), metadata.pop("hmac", None)
-    checksum, expected_signature = _digests(metadata, tensors, key)
+    checksum, expected_signature = digests(metadata, tensors, key)
     if claimed != checksum:
         raise MemoryFileError(f"{path} fails its sha256 checksum: the file was altered or damaged")
     if key is not None and signature is None:
@@ -256,10 +256,10 @@ def _check_declared(header: dict, metadata: dict, memory: StreamingMemory,
         raise MemoryFileError(f"{path}: kv_tokens {metadata['stream']['kv_tokens']} but "
                               f"{slots} slots stored")
     expected = expected_tensors(memory.export_state().tensors, slots)
-    if header.keys() != expected.keys():
-        missing, extra = expected.keys() - header.keys(), header.keys() - expected.keys()
-        raise MemoryFileError(f"{path}: the state's tensors do not fit this model: missing "
-                              f"{sorted(missing) or 'none'}, unexpected {sorted(extra) or 'none'}")
+    try:
+        check_tensor_names(header.keys(), expected)
+    except ValueError as error:
+        raise MemoryFileError(f"{path}: {error}") from error
     for name, (dtype, shape) in expected.items():
         entry = header[name]
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
@@ -376,7 +376,7 @@ def _check_compatible(metadata: dict, memory: StreamingMemory, path: Path) -> No
                               + ", ".join(differ))
 
 
-def _digests(metadata: dict, tensors: dict[str, torch.Tensor],
+def digests(metadata: dict, tensors: dict[str, torch.Tensor],
              key: bytes | None) -> tuple[str, str | None]:
     """(sha256, HMAC-SHA256 under key or None) over canonical JSON metadata and every tensor's
     name, dtype, shape and bytes."""
@@ -392,11 +392,6 @@ def _digests(metadata: dict, tensors: dict[str, torch.Tensor],
         update(f"\n{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
         update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
     return hashes[0].hexdigest(), hashes[1].hexdigest() if key else None
-
-
-def _checksum(metadata: dict, tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over canonical JSON metadata and every tensor's name, dtype, shape and bytes."""
-    return _digests(metadata, tensors, None)[0]
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -45,11 +45,7 @@ def check_state(state: MemoryState, ours: dict[str, torch.Tensor], budget: int,
     if slots > budget:
         raise ValueError(f"the state holds {slots} slots; the budget is {budget}")
     expected = expected_tensors(ours, slots)
-    if state.tensors.keys() != expected.keys():
-        missing = expected.keys() - state.tensors.keys()
-        extra = state.tensors.keys() - expected.keys()
-        raise ValueError(f"the state's tensors do not fit this model: missing "
-                         f"{sorted(missing) or 'none'}, unexpected {sorted(extra) or 'none'}")
+    check_tensor_names(state.tensors.keys(), expected)
     for name, tensor in state.tensors.items():
         dtype, shape = expected[name]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
@@ -63,3 +59,12 @@ def check_state(state: MemoryState, ours: dict[str, torch.Tensor], budget: int,
         raise ValueError("chunk_poses must be a dict")
     return SlotTable.from_export(state.tensors, state.chunk_stamps, state.chunks_seen,
                                  state.next_position, state.chunk_poses)
+
+
+def check_tensor_names(names, expected: dict) -> None:
+    """ValueError unless `names` are exactly the tensors `expected` names (a file's header or
+    a state's tensors against this model's)."""
+    if names != expected.keys():
+        missing, extra = expected.keys() - names, names - expected.keys()
+        raise ValueError(f"the state's tensors do not fit this model: missing "
+                         f"{sorted(missing) or 'none'}, unexpected {sorted(extra) or 'none'}")

@@ -32,7 +32,7 @@ def window(since: float, until: float) -> dict[str, float | None]:
 
 
 class AskActionServer:
-    """The action server of `node`, asking through the worker of `node.session`."""
+    """The action server of `node`, asking through `node.session` (Session.ask)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -52,7 +52,7 @@ class AskActionServer:
     def _admit(self) -> GoalResponse:
         session = self.node.session
         with self.lock:
-            if session is None or not (session.ready and session.active) \
+            if session is None or not session.serving_questions \
                     or self.accepted >= ACTION_SLOTS:
                 return GoalResponse.REJECT
             self.accepted += 1
@@ -71,20 +71,16 @@ class AskActionServer:
     def _answer(self, goal_handle) -> AskMemory.Result:
         start, goal, session = time.perf_counter(), goal_handle.request, self.node.session
         result = AskMemory.Result()
-        result.message = self.node.no_session() if session is None else \
-            session.question_refusal(goal.question, goal.max_new_tokens)
+        result.message = self.node.no_session() if session is None else ""
         answer = None
         if not result.message:
-            values = self.node.values
-
             def on_token(text: str, tokens: int, reasoning: str) -> None:
                 goal_handle.publish_feedback(AskMemory.Feedback(answer=text, tokens=tokens,
                                                                 reasoning=reasoning))
 
             try:
-                answer = session.worker.ask(
-                    goal.question, goal.max_new_tokens or values["max_new_tokens"],
-                    values["ask_timeout_s"], on_token=on_token,
+                answer = session.ask(
+                    goal.question, goal.max_new_tokens, on_token=on_token,
                     cancelled=lambda: goal_handle.is_cancel_requested,
                     **window(goal.since, goal.until))
             except (RuntimeError, TimeoutError) as error:

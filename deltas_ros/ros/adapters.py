@@ -141,6 +141,14 @@ def drift_message(chunk: SampledChunk, result: ChunkResult, frame_id: str) -> Dr
     return msg
 
 
+def lifecycle_state(node: Node) -> str:
+    """The managed node's current lifecycle state label ("unconfigured", "configuring",
+    "inactive", "active", "finalized", ...), as rclpy's state machine holds it: rclpy has no
+    public getter, and ~/get_state is a service the node would have to call on itself
+    (test_node_lifecycle pins this name)."""
+    return node._state_machine.current_state[1]
+
+
 def log_frame_outcome(logger, outcome: GateOutcome, dropped: int, max_gap_s: float) -> None:
     """What the camera callback says about one frame: a time jump taken, a frame dropped,
     chunks dropped for the model being slower than the stream (the last two throttled)."""
@@ -253,12 +261,12 @@ class CameraSubscription:
                         else self.publisher_reliability() is True)
         self.executor = SingleThreadedExecutor(context=node.context)
         self.executor.add_node(self.camera_node)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._spin, name="camera", daemon=True)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.spin, name="camera", daemon=True)
         self.thread.start()
 
-    def _spin(self) -> None:
-        while not self._stop.is_set():
+    def spin(self) -> None:
+        while not self.stopping.is_set():
             try:
                 self.executor.spin_once(timeout_sec=CAMERA_SPIN_S)
             except ExternalShutdownException:  # a signal shut the context down during a wait
@@ -295,7 +303,7 @@ class CameraSubscription:
     def close(self) -> None:
         """Unsubscribe (lifecycle deactivate): stop the camera thread (no callback runs after
         this returns, unless one is stuck past the join's bound) and destroy its node."""
-        self._stop.set()
+        self.stopping.set()
         self.thread.join(timeout=5.0)
         self.executor.shutdown(timeout_sec=0.0)
         self.camera_node.destroy_node()

@@ -81,12 +81,12 @@ class PoseInput:
         self.last_arrival = -math.inf  # time.monotonic() when the newest pose came
         self.buffer = PoseBuffer(POSE_HISTORY, max_gap_s)
         self.on_refused = on_refused
-        self.subscription = node.create_subscription(POSE_TYPES[kind], topic, self._on_pose,
+        self.subscription = node.create_subscription(POSE_TYPES[kind], topic, self.on_pose,
                                                      POSE_QUEUE)
         node.get_logger().info(f"poses from {node.resolve_topic_name(topic)} "
                                f"({POSE_TYPES[kind].__name__})")
 
-    def _on_pose(self, msg) -> None:
+    def on_pose(self, msg) -> None:
         try:
             stamp, pose = pose_of(msg)
             with self.arrived:

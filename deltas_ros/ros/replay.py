@@ -43,7 +43,7 @@ def _wait_for_subscribers(node: Node, publishers: dict[str, Publisher], timeout_
     while time.monotonic() < deadline:
         if all(pub.get_subscription_count() >= 1 for pub in publishers.values()):
             return
-        _STOP.check()
+        STOP.check()
         time.sleep(0.02)  # short: Ctrl-C acts between two sleeps
     waiting = [topic for topic, pub in publishers.items() if pub.get_subscription_count() < 1]
     if waiting:
@@ -110,8 +110,8 @@ def replay_bag(
         _wait_for_subscribers(node, waited, wait_for_subscribers_s)
         start, wall0 = time.monotonic(), None
         while True:
-            _STOP.check()
-            wall0 = _play_once(path, rate, publishers, clock, wall0, stats)
+            STOP.check()
+            wall0 = play_once(path, rate, publishers, clock, wall0, stats)
             stats["loops"] += 1
             if not loop or (max_loops is not None and stats["loops"] >= max_loops):
                 break
@@ -134,7 +134,7 @@ def replay_bag(
     return stats
 
 
-def _play_once(
+def play_once(
     path: str | Path,
     rate: float,
     publishers: dict[str, Publisher],
@@ -173,10 +173,10 @@ def _play_once(
 def _sleep_until(due: float) -> None:
     """Sleep until time.monotonic() reaches `due`, in slices, so Ctrl-C acts within a slice even
     across a long pause of the bag or a slow rate (and before every frame: at least one look)."""
-    _STOP.check()
+    STOP.check()
     while (left := due - time.monotonic()) > 0:
         time.sleep(min(left, SLEEP_SLICE_S))
-        _STOP.check()
+        STOP.check()
 
 
 class _StopRequest:
@@ -205,7 +205,7 @@ class _StopRequest:
         self.name = ""
 
 
-_STOP = _StopRequest()
+STOP = _StopRequest()
 
 
 def stop_on_signals() -> None:
@@ -223,7 +223,7 @@ def stop_on_signals() -> None:
     def stop(signum: int, frame) -> None:
         for ours in (signal.SIGINT, signal.SIGTERM):
             signal.signal(ours, signal.SIG_IGN)
-        _STOP.request(signal.Signals(signum).name)
+        STOP.request(signal.Signals(signum).name)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)

@@ -1,6 +1,7 @@
 """The memory's services: ~/ask_memory (AskMemory), ~/reset_memory (Trigger), ~/save_memory and
-~/load_memory (MemoryFile). Each asks the worker (between chunks) through the node's current
-session; without one (the node unconfigured) they answer so.
+~/load_memory (MemoryFile). Each goes through the node's current session (Session.ask,
+Session.operate: the worker, between chunks); without one (the node unconfigured) they answer
+so.
 
 Questions run in a callback group that admits `QUESTION_SLOTS` at once and reset/save/load in a
 mutually exclusive one, so however many planners call, executor threads stay free for the
@@ -12,7 +13,6 @@ answered as a failure (ros_adapters.replying), counted in the node's `requests_f
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
@@ -20,7 +20,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_srvs.srv import Trigger
 
 from ..runtime.files import MemoryPathError
-from ..runtime.session import NOT_READY, STOPPED, Session
+from ..runtime.session import STOPPED, Refused
 from ..srv import AskMemory, MemoryFile
 from .action import window
 from .adapters import BoundedCallbackGroup, replying
@@ -50,15 +50,12 @@ class MemoryServices:
 
     def _ask(self, request: AskMemory.Request, response: AskMemory.Response):
         start, session = time.perf_counter(), self.node.session
-        values = self.node.values
-        response.error = self.node.no_session() if session is None else \
-            session.question_refusal(request.question, request.max_new_tokens)
+        response.error = self.node.no_session() if session is None else ""
         if not response.error:
             try:
-                answer = session.worker.ask(
-                    request.question, request.max_new_tokens or values["max_new_tokens"],
-                    values["ask_timeout_s"], **window(request.since, request.until))
-            except (RuntimeError, TimeoutError) as error:
+                answer = session.ask(request.question, request.max_new_tokens,
+                                     **window(request.since, request.until))
+            except (RuntimeError, TimeoutError) as error:  # Refused is a RuntimeError
                 response.error = str(error)
             else:
                 fill_answer(response, answer)
@@ -70,22 +67,16 @@ class MemoryServices:
             self.node.get_logger().warning(f"question refused: {response.error}")
         return response
 
-    def _operation(self, session: Session | None, name: str, function) -> tuple[Any, str]:
-        """Run a Session operation on the worker: (its OpResult or None, the error)."""
-        if session is None:
-            return None, self.node.no_session()
-        if not session.ready:
-            return None, NOT_READY
-        try:
-            return session.worker.call(function, self.node.values["ask_timeout_s"], name), ""
-        except (RuntimeError, TimeoutError) as error:
-            return None, str(error)
-
     def _reset(self, _request: Trigger.Request, response: Trigger.Response):
         session = self.node.session
-        result, response.message = self._operation(session, "reset",
-                                                   session and session.reset)
-        if result is not None:
+        if session is None:
+            response.message = self.node.no_session()
+            return response
+        try:
+            result = session.operate("reset")
+        except (RuntimeError, TimeoutError) as error:
+            response.message = str(error)
+        else:
             response.success = True
             response.message = f"memory reset ({result.discarded} waiting chunks discarded)"
         return response
@@ -97,24 +88,19 @@ class MemoryServices:
         return self._file_service("load", request, response)
 
     def _file_service(self, verb: str, request, response):
-        session = self.node.session
-        if session is None:
-            response.path, response.message = request.path[:1000], self.node.no_session()
-            return response
+        session, response.path = self.node.session, request.path[:1000]
         try:
-            path = session.files.resolve(request.path)
-        except MemoryPathError as error:
-            session.refuse_request()
-            response.path, response.message = request.path[:1000], str(error)
-        else:
-            action = session.save if verb == "save" else session.load
+            if session is None:
+                raise Refused(self.node.no_session())
+            path = session.resolve_file(request.path)
             response.path = str(path)
-            result, response.message = self._operation(session, verb,
-                                                       lambda m: action(m, path))
-            if result is not None:
-                response.success, response.chunks = True, result.chunks
-                done = "saved" if verb == "save" else "loaded"
-                response.message = f"{done} {result.chunks} chunks ({result.kv_tokens} KV " \
-                    f"tokens; {result.discarded} waiting chunks discarded)"
+            result = session.operate(verb, path)
+        except (MemoryPathError, RuntimeError, TimeoutError) as error:
+            response.message = str(error)
+        else:
+            response.success, response.chunks = True, result.chunks
+            done = "saved" if verb == "save" else "loaded"
+            response.message = f"{done} {result.chunks} chunks ({result.kv_tokens} KV " \
+                f"tokens; {result.discarded} waiting chunks discarded)"
         self.node.get_logger().info(f"{verb} {response.path}: {response.message}")
         return response

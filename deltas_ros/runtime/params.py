@@ -191,3 +191,11 @@ def memory_config(values: dict[str, Any]) -> MemoryConfig:
         max_question_s=values["max_question_s"],
         thinking=values["thinking"],
     )
+
+
+class Parameters:
+    """The node's current parameter values, the one copy the node and its session share: a
+    dict replaced whole on a change, so a reader that takes `values` once sees one version."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values

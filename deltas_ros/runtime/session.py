@@ -16,11 +16,6 @@ or a load ends the stream the waiting chunks belong to: they are discarded and c
 
 from __future__ import annotations
 
-import ctypes
-import enum
-import gc
-import math
-import statistics
 import threading
 import time
 from collections import deque
@@ -30,19 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..core.frames import FrameGate, FrameSampler, GateOutcome, SampledChunk, TimeEvent
 from ..core.loader import load_model
-from ..core.memory import ChunkResult, MemoryStats, StreamingMemory, question_problem
+from ..core.memory import Answer, ChunkResult, MemoryStats, StreamingMemory, question_problem
 from ..core.persistence import load_memory, save_memory
 from ..core.plan import require_fit
 from ..core.poses import Pose
 from .files import MemoryFiles, MemoryPathError, read_key, read_metadata
-from .params import BY_NAME, memory_config, validate
+from .health import Level, report
+from .params import BY_NAME, Parameters, memory_config, validate
+from .resources import memory_in_use, release_memory
+from .stream_record import StreamRecord, continue_clock
 from .worker import MemoryWorker
 
-ERROR_HOLD_S = 10.0  # diagnostics stay ERROR this long after a failed chunk or operation
 LATENCY_WINDOW = 30  # chunks in the latency median
 FRAME_ID_MAX = 256  # characters of a camera frame_id copied into reports
 NOT_READY = "not ready: the model is still loading"
@@ -50,106 +46,8 @@ NOT_CONFIGURED = "not configured: the node is unconfigured (lifecycle); configur
 NOT_ACTIVE = "not active: the node is inactive (lifecycle); activate it to ask"
 # An answer cut short because the node left active (deactivate, cleanup, shutdown).
 STOPPED = "cancelled: the node stopped taking questions (lifecycle); the answer so far"
-MAX_STREAM_INDEX = 2**31 - 1
-JUMP_RESET = "jump_reset"  # the worker operation a time jump back queues (save, then reset)
-
-
-class Level(enum.IntEnum):
-    """diagnostic_msgs/DiagnosticStatus levels."""
-
-    OK = 0
-    WARN = 1
-    ERROR = 2
-
-
-def loading_health(values: dict[str, Any]) -> tuple[Level, str, dict[str, Any]]:
-    """The diagnostics report while the model loads (also before autostart has a session)."""
-    return Level.WARN, "loading the model", {"model": values["model_path"]}
-
-
-@dataclass(frozen=True)
-class StreamRecord:
-    """Where the memory's stream stands: what a save records and a load continues from."""
-
-    stream_start: float  # header stamp (s) stream times count from
-    last_stamp: float  # header stamp of the newest chunk's last frame
-    next_chunk_index: int
-
-    @classmethod
-    def after(cls, chunk: SampledChunk) -> StreamRecord:
-        return cls(chunk.stamps[-1] - chunk.times[-1], chunk.stamps[-1], chunk.index + 1)
-
-    def to_json(self) -> dict[str, float | int]:
-        return {"stream_start": self.stream_start, "last_stamp": self.last_stamp,
-                "next_chunk_index": self.next_chunk_index}
-
-    @classmethod
-    def from_json(cls, value: Any) -> StreamRecord | None:
-        """The record of a file's `extra.stream` ({} = saved before any chunk: None).
-
-        Raises ValueError for anything but finite stamps in order and an index in range.
-        """
-        if value == {}:
-            return None
-        if not isinstance(value, dict) or set(value) != {"stream_start", "last_stamp",
-                                                          "next_chunk_index"}:
-            raise ValueError(f"malformed stream record {str(value)[:200]!r}")
-        start, last, index = value["stream_start"], value["last_stamp"], value["next_chunk_index"]
-        stamps_ok = all(isinstance(s, (int, float)) and not isinstance(s, bool)
-                        and math.isfinite(s) and s >= 0 for s in (start, last))
-        if not stamps_ok or start > last:
-            raise ValueError(f"stream record stamps are not finite, >= 0 and in order: "
-                             f"start {start!r}, last {last!r}")
-        if type(index) is not int or not 0 <= index <= MAX_STREAM_INDEX:
-            raise ValueError(f"stream record next_chunk_index {index!r} is out of range")
-        return cls(float(start), float(last), index)
-
-
-def continue_clock(record: StreamRecord, live_stamp: float | None, live_index: int,
-                   fps: float) -> tuple[float, float, int]:
-    """(stream start, last stamp, next index) for FrameSampler.resume after loading `record`.
-
-    The rule: with no chunk from the camera yet (since the start or a reset), the saved stream
-    continues as it was (a restart).
-    With a live camera at `live_stamp` on or after the saved last stamp (the file's own clock),
-    stream times keep the saved start (the time in between is a gap), and indices go on from
-    the later of the file's and the camera's (`live_index`): chunks the camera made after the
-    save left the memory with the load, but their indices were published and are never given
-    twice. With a live camera behind the saved stamps (another clock: a replay, sim time), the
-    live stream continues the saved one one frame period after its last frame, its indices too
-    from the later of the two. Never a jump back: loading does not wipe what it loaded.
-    """
-    if live_stamp is None:
-        return record.stream_start, record.last_stamp, record.next_chunk_index
-    if live_stamp >= record.last_stamp:
-        return record.stream_start, live_stamp, max(record.next_chunk_index, live_index)
-    saved_span = record.last_stamp - record.stream_start
-    return (live_stamp - saved_span - 1.0 / fps, live_stamp,
-            max(record.next_chunk_index, live_index))
-
-
-def memory_in_use() -> dict[str, int]:
-    """Bytes this process holds: `rss` (Linux), and `cuda_allocated` once CUDA is in use."""
-    use = {}
-    status = Path("/proc/self/status")
-    if status.exists():
-        rss = [line for line in status.read_text().splitlines() if line.startswith("VmRSS:")]
-        use["rss"] = int(rss[0].split()[1]) * 1024 if rss else 0
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        use["cuda_allocated"] = torch.cuda.memory_allocated()
-    return use
-
-
-def release_memory() -> None:
-    """Give what nothing refers to any more back to the system: collect cycles, empty torch's
-    CUDA cache, and trim glibc's heap (freed small blocks otherwise stay in the process)."""
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+JUMP_RESET = "jump_reset"  # the worker operation a time jump back queues (save, then reset);
+# health.report counts its failures as failed saves
 
 
 @dataclass(frozen=True)
@@ -161,12 +59,19 @@ class OpResult:
     discarded: int = 0  # waiting chunks of the ended stream
 
 
-class Session:
-    """The node's state. `values` is the node's current parameter dict (replaced on change)."""
+class Refused(RuntimeError):
+    """A request refused before it reached the model: the client's mistake or the node's state
+    (not ready, not active); the message says which."""
 
-    def __init__(self, values: dict[str, Any], files: MemoryFiles,
+
+class Session:
+    """The node's state. `values`: the node's current parameters (`Parameters`, shared with the
+    node: a change there is seen here)."""
+
+    def __init__(self, values: dict[str, Any] | Parameters, files: MemoryFiles,
                  key: bytes | None = None) -> None:
-        self.values = values
+        self.params = values if isinstance(values, Parameters) else Parameters(values)
+        values = self.params.values
         self.files = files
         self.key = key
         self.sampler = FrameSampler(values["fps"], values["frames_per_chunk"],
@@ -194,20 +99,29 @@ class Session:
         self.poses_refused = 0  # pose messages refused at the subscription
         self.started_wall = time.monotonic()
         self.last_frame_wall = 0.0
-        self._at_last_report = {"frames": 0, "drops": 0, "bad": 0}
+        self.at_last_report = {"frames": 0, "drops": 0, "bad": 0}
+
+    @property
+    def values(self) -> dict[str, Any]:
+        return self.params.values
+
+    @values.setter
+    def values(self, values: dict[str, Any]) -> None:
+        self.params.values = values
 
     # ----------------------------------------------------------------------------- readiness
     @classmethod
-    def configure(cls, values: dict[str, Any]) -> Session:
+    def configure(cls, values: dict[str, Any] | Parameters) -> Session:
         """The session for the node's parameter `values` (lifecycle configure); ValueError or
         OSError with a reason a user can act on: a bad value, no model, an unusable memory_dir
         or key file."""
-        if problem := validate(values):
+        p = values.values if isinstance(values, Parameters) else values
+        if problem := validate(p):
             raise ValueError(problem)
-        if not (Path(values["model_path"]) / "config.json").is_file():
-            raise FileNotFoundError(f"no model at {values['model_path']}: config.json is missing")
-        return cls(values, MemoryFiles(values["memory_dir"], values["memory_file"]),
-                   read_key(values["memory_key_file"]))
+        if not (Path(p["model_path"]) / "config.json").is_file():
+            raise FileNotFoundError(f"no model at {p['model_path']}: config.json is missing")
+        return cls(values, MemoryFiles(p["memory_dir"], p["memory_file"]),
+                   read_key(p["memory_key_file"]))
 
     def open_memory(self) -> tuple[StreamingMemory, str]:
         """Load the model and open its memory, continuing memory_file with load_on_start:
@@ -231,12 +145,19 @@ class Session:
                 problem = f"load_on_start: {error}; starting with an empty memory"
         return memory, problem
 
-    def attach(self, memory: StreamingMemory, on_chunk: Callable[[SampledChunk, ChunkResult],
-                                                                 None],
+    def attach(self, memory: StreamingMemory,
+               publish: Callable[[SampledChunk, ChunkResult, list[int]], None],
                pose_at: Callable[[float], Pose | None] | None = None) -> MemoryWorker:
         """The model is loaded: start the worker; from now on the session is READY.
-        pose_at: the robot's pose at a stamp, tagging each chunk (worker thread)."""
+        publish(chunk, result, retained chunk indices): after the session has recorded each
+        chunk (`chunk_done`), what the node sends out; pose_at: the robot's pose at a stamp,
+        tagging each chunk (both on the worker thread)."""
         self.memory, self.stats = memory, memory.stats()
+
+        def on_chunk(chunk: SampledChunk, result: ChunkResult) -> None:
+            self.chunk_done(chunk, result)
+            publish(chunk, result, self.stats.retained_chunks)
+
         self.worker = MemoryWorker(memory, on_chunk, self.values["queue_chunks"],
                                    pose_at=pose_at)
         self.ready = True
@@ -373,6 +294,41 @@ class Session:
         return OpResult(memory.chunks_seen, memory.kv_tokens, discarded)
 
     # ----------------------------------------------------------------------------- requests
+    def ask(self, question: str, max_new_tokens: int, **options: Any) -> Answer:
+        """Executor threads: a question answered by the worker between chunks (max_new_tokens
+        0: the parameter's). Refused with the reason (`question_refusal`) before it costs model
+        time; RuntimeError or TimeoutError if answering fails. options: StreamingMemory.ask's."""
+        if problem := self.question_refusal(question, max_new_tokens):
+            raise Refused(problem)
+        values = self.values
+        return self.worker.ask(question, max_new_tokens or values["max_new_tokens"],
+                               values["ask_timeout_s"], **options)
+
+    def operate(self, verb: str, path: Path | None = None) -> OpResult:
+        """Executor threads: "reset", "save" or "load" (of `path`, from `resolve_file`) on the
+        worker between chunks; Refused while not ready, RuntimeError or TimeoutError if it
+        fails."""
+        if not self.ready:
+            raise Refused(NOT_READY)
+        operation = {"reset": self.reset, "save": lambda memory: self.save(memory, path),
+                     "load": lambda memory: self.load(memory, path)}[verb]
+        return self.worker.call(operation, self.values["ask_timeout_s"], verb)
+
+    def resolve_file(self, requested: str) -> Path:
+        """A client's memory file path inside memory_dir; a refused one (MemoryPathError) is
+        counted as a client mistake."""
+        try:
+            return self.files.resolve(requested)
+        except MemoryPathError:
+            with self.counter_lock:
+                self.requests_refused += 1
+            raise
+
+    @property
+    def serving_questions(self) -> bool:
+        """Whether questions are taken now: loaded and active."""
+        return self.ready and self.active
+
     def question_refusal(self, question: str, max_new_tokens: int) -> str:
         """Why a question is refused before it costs model time ("" = accepted); counted."""
         limit = int(BY_NAME["max_new_tokens"].high)
@@ -388,78 +344,7 @@ class Session:
                 self.questions_refused += 1
         return problem
 
-    def refuse_request(self) -> None:
-        """Count another client mistake (a memory file path refused)."""
-        with self.counter_lock:
-            self.requests_refused += 1
-
     # ----------------------------------------------------------------------------- health
     def health(self) -> tuple[Level, str, dict[str, Any]]:
-        """Level, message and values of the 1 Hz diagnostics report. WARN on what happened
-        since the previous report, not forever after one dropped chunk or bad frame."""
-        if not self.ready:
-            return loading_health(self.values)
-        counters, sampler, worker = self.worker.counters, self.sampler, self.worker
-        now, last = time.monotonic(), self._at_last_report
-        bad = self.gate.bad_frames + self.callback_errors
-        new_drops, new_bad = counters.chunks_dropped - last["drops"], bad - last["bad"]
-        frames_per_s = sampler.received - last["frames"]
-        self._at_last_report = {"frames": sampler.received, "drops": counters.chunks_dropped,
-                                "bad": bad}
-        latency = statistics.median(self.latencies_ms) if self.latencies_ms else 0.0
-        seconds_per_chunk = self.values["frames_per_chunk"] / self.values["fps"]
-        silent_s = now - (self.last_frame_wall or self.started_wall)
-        queue_depth = worker.queue_depth
-        level, message = Level.OK, "ok"
-        if counters.last_error and now - counters.last_error_time < ERROR_HOLD_S:
-            level, message = Level.ERROR, counters.last_error
-        elif not self.active:
-            level, message = Level.WARN, "inactive: camera intake stopped, memory kept"
-        elif silent_s > self.values["silence_warn_s"]:
-            level, message = Level.WARN, f"no camera frames for {silent_s:.0f} s"
-        elif queue_depth >= self.values["queue_chunks"] or new_drops:
-            level, message = Level.WARN, "model slower than real time: chunks dropped"
-        elif new_bad:
-            level, message = Level.WARN, f"bad frames: {self.gate.last_error}"
-        stats, result, memory = self.stats, self.last_result, self.memory
-        values = {
-            "input_rate_hz": f"{frames_per_s:.1f}",
-            "frames_received": sampler.received,
-            "frames_sampled": sampler.sampled,
-            "frames_dropped": sampler.dropped_frames,
-            "frames_bad": self.gate.bad_frames,
-            "callback_errors": self.callback_errors,
-            "time_jumps_back": sampler.time_jumps_back,
-            "time_gaps": sampler.time_gaps,
-            "chunks_processed": counters.chunks_processed,
-            "chunks_dropped": counters.chunks_dropped + self.chunks_before_ready,
-            "chunks_discarded": counters.chunks_discarded,
-            "chunks_failed": counters.chunks_failed,
-            "reports_failed": counters.reports_failed,
-            "questions_answered": counters.questions_answered,
-            "questions_failed": counters.questions_failed,
-            "questions_refused": self.questions_refused,
-            "requests_refused": counters.requests_refused + self.requests_refused,
-            "resets": self.resets,
-            "saves_failed": counters.failed["save"] + counters.failed[JUMP_RESET],
-            "reset_saves": self.reset_saves,
-            "poses_refused": self.poses_refused,
-            "loads_failed": counters.failed["load"],
-            "resets_failed": counters.failed["reset"],
-            "autosaves": self.autosaves,
-            "autosaves_failed": counters.failed["autosave"],
-            "queue_depth": queue_depth,
-            "questions_waiting": worker.questions_waiting,
-            "serving": worker.serving,
-            "kv_tokens": stats.kv_tokens,
-            "budget_tokens": memory.config.budget_tokens,
-            "memory_bytes": stats.kv_bytes + stats.state_bytes,
-            "position": f"{stats.next_position}/{stats.max_positions}",
-            "chunk_latency_ms": f"{latency:.1f}",
-            "real_time_factor": f"{latency / 1e3 / seconds_per_chunk:.3f}",
-            "last_drift": f"{result.drift:.5f}" if result else "",
-            "device": str(memory.device),
-            "model": str(memory.loaded.path),
-            "policy": memory.config.policy,
-        }
-        return level, message, values
+        """Level, message and values of the 1 Hz diagnostics report (`health.report`)."""
+        return report(self)

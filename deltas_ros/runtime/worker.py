@@ -5,11 +5,13 @@ video. So one worker thread owns the `StreamingMemory`; callers hand it work:
 
 - `submit_chunk` never blocks: when `queue_chunks` chunks are already waiting, the oldest one is
   dropped and counted (under overload the memory keeps the newest video, as a camera would).
-- `ask`, `call` and `reset` block the calling thread (a service callback) until the worker has
-  served them, and return what the worker computed (nothing of the memory is read from another
-  thread). Questions and calls are served before waiting chunks, in order of arrival; resets and
-  `post`ed operations keep their place among the chunks, so that a chunk from before a time jump
-  never lands after the reset and an autosave runs between two chunks, never inside a report.
+- `ask` and `call` block the calling thread (a service callback) until the worker has served
+  them, and return what the worker computed (nothing of the memory is read from another
+  thread). Questions and calls are served before waiting chunks, in order of arrival; `post`ed
+  operations (a time jump's reset, an autosave) keep their place among the chunks, so that a
+  chunk from before a time jump never lands after the reset and an autosave runs between two
+  chunks, never inside a report. Each kind of work is a small class (`_Question`,
+  `_Operation`) that serves itself.
 - A failure is counted under the name of what failed (`questions_failed`, `failed["save"]`, ...);
   a ValueError is the caller's mistake (an empty question, a file refused): returned to the
   caller and counted in `requests_refused`, not as a failure.
@@ -41,25 +43,61 @@ class WorkerCounters:
     questions_answered: int = 0
     questions_failed: int = 0
     requests_refused: int = 0  # the caller's mistakes (ValueError): not failures
-    resets: int = 0
     failed: Counter = field(default_factory=Counter)  # other operations, by name
     last_error: str = ""
     last_error_time: float = 0.0  # time.monotonic() of the last failure
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Request:
-    kind: str  # "ask", "reset" or the name of a call or posted operation ("save", ...)
-    question: str = ""
-    max_new_tokens: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # StreamingMemory.ask keywords
-    function: Callable[[StreamingMemory], Any] | None = None
+    """Work for the worker between chunks, answered once: `done` is set with `answer` or
+    `error`."""
+
     done: threading.Event = field(default_factory=threading.Event)
     answer: Any = None
     error: str = ""
     started: bool = False
     waited: bool = True  # False: posted, nobody waits for the result
-    interrupted: bool = False  # a question told to stop at its next token (stop, cancel)
+
+    @property
+    def kind(self) -> str:
+        """What the work is called in errors and in `counters.failed`."""
+        raise NotImplementedError
+
+    def serve(self, memory: StreamingMemory) -> Any:
+        """Do the work on the worker thread; its answer."""
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class _Question(_Request):
+    """A question; `interrupted`: told to stop at its next token (stop, cancel)."""
+
+    question: str
+    max_new_tokens: int | None
+    options: dict[str, Any]  # StreamingMemory.ask keywords
+    interrupted: bool = False
+    kind = "ask"
+
+    def serve(self, memory: StreamingMemory) -> Answer:
+        asked = self.options.get("cancelled") or (lambda: False)
+        return memory.ask(self.question, self.max_new_tokens, **self.options
+                          | {"cancelled": lambda: self.interrupted or asked()})
+
+
+@dataclass(kw_only=True)
+class _Operation(_Request):
+    """function(memory): a whole-memory operation called or posted by name ("save", ...)."""
+
+    name: str
+    function: Callable[[StreamingMemory], Any]
+
+    @property
+    def kind(self) -> str:
+        return self.name
+
+    def serve(self, memory: StreamingMemory) -> Any:
+        return self.function(memory)
 
 
 class MemoryWorker:
@@ -112,8 +150,8 @@ class MemoryWorker:
 
         options: StreamingMemory.ask's keywords (since, until, on_token, cancelled); on_token
         and cancelled are called on the worker thread."""
-        request = self._submit(_Request("ask", question, max_new_tokens, options),
-                               self._questions)
+        request = self._submit(_Question(question=question, max_new_tokens=max_new_tokens,
+                                         options=options), self._questions)
         return self._wait(request, timeout_s)
 
     def call(self, function: Callable[[StreamingMemory], Any], timeout_s: float,
@@ -123,7 +161,7 @@ class MemoryWorker:
         For whole-memory operations such as saving and loading, which must not interleave with
         a chunk. A failure other than ValueError is counted in `counters.failed[name]`.
         """
-        request = self._submit(_Request(name, function=function), self._questions)
+        request = self._submit(_Operation(name=name, function=function), self._questions)
         return self._wait(request, timeout_s)
 
     def post(self, function: Callable[[StreamingMemory], Any], name: str,
@@ -133,9 +171,9 @@ class MemoryWorker:
         waits. Returns whether it was queued."""
         with self._lock:
             if self._stopping or coalesce and any(
-                    isinstance(item, _Request) and item.kind == name for item in self._chunks):
+                    isinstance(item, _Operation) and item.name == name for item in self._chunks):
                 return False
-            self._chunks.append(_Request(name, function=function, waited=False))
+            self._chunks.append(_Operation(name=name, function=function, waited=False))
             self._lock.notify()
         return True
 
@@ -148,14 +186,6 @@ class MemoryWorker:
             self._chunks = kept
             self.counters.chunks_discarded += discarded
         return discarded
-
-    def reset(self, timeout_s: float) -> None:
-        """Forget everything, in order with the chunks already queued."""
-        self._wait(self._submit(_Request("reset"), self._chunks), timeout_s)
-
-    def request_reset(self) -> None:
-        """Queue a reset without waiting (from a camera callback: a time jump)."""
-        self._submit(_Request("reset"), self._chunks)
 
     @property
     def queue_depth(self) -> int:
@@ -182,10 +212,10 @@ class MemoryWorker:
         answered at its next token (its caller gets the answer so far, marked cancelled);
         how many questions were affected. Other calls keep their places."""
         with self._lock:
-            waiting = [r for r in self._questions if r.kind == "ask"]
-            self._questions = deque(r for r in self._questions if r.kind != "ask")
+            waiting = [r for r in self._questions if isinstance(r, _Question)]
+            self._questions = deque(r for r in self._questions if not isinstance(r, _Question))
             current = self._current
-            if isinstance(current, _Request) and current.kind == "ask":
+            if isinstance(current, _Question):
                 current.interrupted = True
                 waiting.append(current)
         for request in waiting[:-1] if current in waiting else waiting:
@@ -295,17 +325,9 @@ class MemoryWorker:
 
     def _serve(self, request: _Request) -> None:
         try:
-            if request.kind == "ask":
-                asked = request.options.get("cancelled") or (lambda: False)
-                request.answer = self.memory.ask(
-                    request.question, request.max_new_tokens, **request.options
-                    | {"cancelled": lambda: request.interrupted or asked()})
+            request.answer = request.serve(self.memory)
+            if isinstance(request, _Question):
                 self.counters.questions_answered += 1
-            elif request.function is None:  # reset()
-                self.memory.reset()
-                self.counters.resets += 1
-            else:
-                request.answer = request.function(self.memory)
         except Exception as error:  # reported to the caller; the worker goes on
             # A caller's mistake (an empty question, a refused file) is not a failure; a posted
             # operation (an autosave) has no caller, so there every error is one.
@@ -314,7 +336,7 @@ class MemoryWorker:
                 self.counters.requests_refused += 1
                 return
             request.error = f"{request.kind} failed: {error}"
-            if request.kind == "ask":
+            if isinstance(request, _Question):
                 self.counters.questions_failed += 1
             else:
                 self.counters.failed[request.kind] += 1
