@@ -36,7 +36,7 @@ from deltas_ros.core.maker import (
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / "results"
-NINE_B_CONFIG = Path(__file__).with_name("qwen3_5_9b_config.json")
+NINE_B_CONFIG = Path(__file__).parents[1] / "config" / "models" / "qwen3_5_9b.json"
 
 
 # ------------------------------------------------------------------------------------ the machine

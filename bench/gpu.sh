@@ -13,7 +13,7 @@
 # otherwise a fresh venv ($VENV, default /tmp/deltas-bench-venv) gets the pinned packages the two
 # benchmarks need from requirements.txt (no ROS packages: neither benchmark uses rclpy).
 #
-# The model: a random-init model of bench/qwen3_5_9b_config.json ($CONFIG), built in each
+# The model: a random-init model of config/models/qwen3_5_9b.json ($CONFIG), built in each
 # benchmark's process directly on the GPU in bf16 by the same steps as
 #     deltas-ros make-model --config $CONFIG --dtype bfloat16 DIR
 # (seed, fp32 construction, cast, decay init), which saves writing and re-reading 19 GB.
@@ -24,7 +24,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results/gpu}
-config=${CONFIG:-bench/qwen3_5_9b_config.json}
+config=${CONFIG:-config/models/qwen3_5_9b.json}
 mkdir -p "$out"
 start=$SECONDS
 

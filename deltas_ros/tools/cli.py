@@ -1,7 +1,7 @@
 """`deltas-ros`: the package's one command line. Each subcommand is a small function below.
 
     deltas-ros make-model --tiny OUT_DIR
-    deltas-ros make-model --config qwen3_5_9b_config.json OUT_DIR [--shards N]
+    deltas-ros make-model --config config/models/qwen3_5_9b.json OUT_DIR [--shards N]
     deltas-ros synth OUT_BAG [--duration 30] [--fps 30] [--width 640] [--height 480]
                      [--encoding rgb8|jpeg] [--storage mcap|sqlite3] [--topic T] [--seed 0]
                      [--scenes | --busy]
