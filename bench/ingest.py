@@ -61,7 +61,8 @@ from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CompressedImage, Image
 
 from deltas_ros.core.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
-from deltas_ros.core.frames import FrameGate, FrameSampler, decode_message, message_stamp
+from deltas_ros.core.decode import decode_message, message_stamp
+from deltas_ros.core.frames import FrameGate, FrameSampler
 from deltas_ros.core.maker import make_tokenizer, tiny_config
 from deltas_ros.ros.adapters import CameraSubscription
 from deltas_ros.ros.cdr import raw_header, raw_stamp

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CompressedImage, Image
 
-from deltas_ros.core.frames import FrameGate, FrameSampler, decode_message, message_stamp
+from deltas_ros.core.decode import decode_message, message_stamp
+from deltas_ros.core.frames import FrameGate, FrameSampler
 from deltas_ros.ros.cdr import raw_header, raw_stamp
 
 

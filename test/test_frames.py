@@ -14,19 +14,16 @@ from engine_helpers import corrupted_jpeg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltas_ros.core.frames import (
+from deltas_ros.core.decode import (
     SUPPORTED_ENCODINGS,
     FrameError,
-    FrameGate,
-    FrameSampler,
-    SampledChunk,
-    TimeEvent,
     decode_compressed,
     decode_message,
     decode_raw,
     message_stamp,
     stamp_to_seconds,
 )
+from deltas_ros.core.frames import FrameGate, FrameSampler, SampledChunk, TimeEvent
 
 BASE = 1_700_000_000.0  # a realistic epoch stamp: float precision matters at this magnitude
 DEPTH_ENCODINGS = ("mono16", "16UC1", "32FC1", "rgb16", "bgr16", "rgba16", "bgra16", "16SC1")
@@ -730,7 +727,7 @@ def test_a_frame_beyond_the_size_limits_is_refused_at_the_gate():
 
 
 def test_raw_frames_beyond_the_limits_are_refused_from_their_header():
-    from deltas_ros.core.frames import MAX_FRAME_PIXELS
+    from deltas_ros.core.decode import MAX_FRAME_PIXELS
 
     with pytest.raises(FrameError, match="elongated"):
         decode_raw("mono8", 1, 1_000_000, 1_000_000, bytes(1_000_000))
@@ -763,7 +760,7 @@ def test_a_png_bomb_is_refused_before_decoding(monkeypatch):
 @pytest.mark.parametrize("progressive", [0, 1])
 @pytest.mark.parametrize(("height", "width"), [(1, 1), (17, 300), (480, 640), (1000, 8)])
 def test_compressed_size_reads_jpeg_and_png_headers(height, width, progressive):
-    from deltas_ros.core.frames import compressed_size
+    from deltas_ros.core.decode import compressed_size
 
     image = np.random.default_rng(0).integers(0, 255, (height, width, 3), np.uint8)
     ok, jpeg = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_PROGRESSIVE, progressive])
@@ -789,7 +786,7 @@ def test_other_codecs_are_refused_with_the_reason():
 def test_the_aspect_limit_is_the_models():
     """The gate refuses exactly the frames smart_resize (the worker) would fail on."""
     from deltas_ros.core.chunks import smart_resize
-    from deltas_ros.core.frames import MAX_ASPECT_RATIO, check_frame_size
+    from deltas_ros.core.decode import MAX_ASPECT_RATIO, check_frame_size
 
     for height, width in [(1, MAX_ASPECT_RATIO), (3, 3 * MAX_ASPECT_RATIO), (MAX_ASPECT_RATIO, 1)]:
         check_frame_size(height, width)

@@ -22,7 +22,7 @@ from ros_helpers import Tester as NodeTester  # not "Test*": pytest would try to
 from ros_helpers import node_command, stop
 
 from deltas_ros.core.bag import load_events
-from deltas_ros.core.frames import FrameError
+from deltas_ros.core.decode import FrameError
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.ros.replay import replay_bag
 from deltas_ros.tools import cli

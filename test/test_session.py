@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from engine_helpers import wait_until
 
-from deltas_ros.core.frames import FrameError, SampledChunk
+from deltas_ros.core.decode import FrameError
+from deltas_ros.core.frames import SampledChunk
 from deltas_ros.core.memory import StreamingMemory
 from deltas_ros.core.persistence import load_memory
 from deltas_ros.runtime import params

@@ -33,7 +33,8 @@ from rclpy.qos import (
 from rclpy.serialization import deserialize_message
 from std_msgs.msg import Header
 
-from ..core.frames import FrameError, GateOutcome, SampledChunk, TimeEvent
+from ..core.decode import FrameError
+from ..core.frames import GateOutcome, SampledChunk, TimeEvent
 from ..core.memory import ChunkResult
 from ..msg import DriftScore
 from ..runtime import params

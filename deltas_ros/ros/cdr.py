@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 
-from ..core.frames import UNSET_STAMP, stamp_to_seconds
+from ..core.decode import UNSET_STAMP, stamp_to_seconds
 
 CDR_BE, CDR_LE = b"\x00\x00", b"\x00\x01"
 _STAMP = {CDR_BE: struct.Struct(">iI"), CDR_LE: struct.Struct("<iI")}  # sec, nanosec
@@ -60,7 +60,7 @@ def raw_header(raw: bytes | bytearray | memoryview) -> tuple[int, int, str]:
 
 
 def raw_stamp(raw: bytes | bytearray | memoryview) -> float:
-    """The header stamp in seconds as frames.message_stamp gives it for the deserialized message
+    """The header stamp in seconds as decode.message_stamp gives it for the deserialized message
     (UNSET_STAMP for an unset header): two integers at byte 4, nothing else is read."""
     sec, nanosec, _ = _stamp_of(memoryview(raw).cast("B"))
     if sec == 0 and nanosec == 0:

@@ -17,7 +17,7 @@ from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image
 
-from ..core.frames import message_stamp
+from ..core.decode import message_stamp
 from ..core.memory import Answer, ChunkResult
 from ..core.poses import Pose, PoseBuffer
 from ..runtime.image import MemoryImage

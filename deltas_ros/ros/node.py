@@ -33,7 +33,7 @@ from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleNodeMixin
 from rclpy.node import Node
 
-from ..core.frames import decode_message
+from ..core.decode import decode_message
 from ..msg import DriftScore
 from ..runtime import params
 from ..runtime.health import Level, loading_health

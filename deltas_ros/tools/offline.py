@@ -33,15 +33,8 @@ from rosbags.rosbag2 import Reader
 from tqdm import tqdm
 
 from ..core.bag import image_topics, load_events, read_images
-from ..core.frames import (
-    FrameError,
-    FrameGate,
-    FrameSampler,
-    SampledChunk,
-    TimeEvent,
-    decode_message,
-    message_stamp,
-)
+from ..core.decode import FrameError, decode_message, message_stamp
+from ..core.frames import FrameGate, FrameSampler, SampledChunk, TimeEvent
 
 if TYPE_CHECKING:  # the memory (torch, the model) is not needed to read or plot results
     from ..core.memory import ChunkResult, StreamingMemory
