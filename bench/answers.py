@@ -54,7 +54,7 @@ from deltas_ros.training.questions import (
     make_question,
     objects_of,
 )
-from deltas_ros.training.synth import SceneStream
+from deltas_ros.training.scenes import SceneStream
 from deltas_ros.training.train import VALIDATION_SEEDS, Stage, sampled_chunks
 
 from .common import add_out_arg, finish, md_table, start_results

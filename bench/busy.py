@@ -4,7 +4,7 @@ Why: the sparse streams of bench/answers.py (at most three objects of distinct s
 a robot sees many things, of the same kinds, some again and again. Before any retention policy
 can be judged there, the model must answer with everything kept.
 
-How: held-out busy streams (synth.BUSY with a fixed object count; seeds below
+How: held-out busy streams (scenes.BUSY with a fixed object count; seeds below
 train.VALIDATION_SEEDS, never used in training or model selection) of each --settings
 OBJECTS:SECONDS (default 8 objects in 120 s and 12 in 300 s) run through `StreamingMemory`
 chunk by chunk with no eviction, then are asked, per stream:
@@ -43,8 +43,9 @@ from deltas_ros.core.loader import (
     resolve_pixel_budget,
 )
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.training.palette import COLOURS, SHAPES
 from deltas_ros.training.questions import QA, TEMPLATES, answer_for, identities_of, is_correct
-from deltas_ros.training.synth import BUSY, COLOURS, SHAPES, SceneStream
+from deltas_ros.training.scenes import BUSY, SceneStream
 from deltas_ros.training.train import VALIDATION_SEEDS, sampled_chunks
 
 from .answers import wilson

@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from deltas_ros.training.palette import COLOURS, SHAPES
 from deltas_ros.training.questions import (
     FORMS,
     QA,
@@ -22,14 +23,7 @@ from deltas_ros.training.questions import (
     objects_of,
     sample_questions,
 )
-from deltas_ros.training.synth import (
-    BUSY,
-    COLOURS,
-    SHAPES,
-    SceneOptions,
-    SceneStream,
-    scene_stream,
-)
+from deltas_ros.training.scenes import BUSY, SceneOptions, SceneStream, scene_stream
 from deltas_ros.training.train import scene_tokenizer
 
 OPTIONS = SceneOptions(objects=(3, 3), cuts=(1, 1), distractors=(1, 2))

@@ -19,7 +19,8 @@ from deltas_ros.core.maker import CHAT_TEMPLATE
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.prompt import ChatLayout
 from deltas_ros.tools.cli import main
-from deltas_ros.training.synth import SceneOptions, write_synth_bag
+from deltas_ros.training.scenes import SceneOptions
+from deltas_ros.training.synth import write_synth_bag
 
 CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 OPEN = "<|im_start|>assistant\n<think>\n"

@@ -13,7 +13,8 @@ from deltas_ros.core.chunks import ChunkBuilder
 from deltas_ros.core.loader import LoadedModel, load_model, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.prompt import ChatLayout
-from deltas_ros.training.synth import COLOURS, SHAPES, SceneStream
+from deltas_ros.training.palette import COLOURS, SHAPES
+from deltas_ros.training.scenes import SceneStream
 from deltas_ros.training.train import (
     VISION_SEEDS,
     Stage,

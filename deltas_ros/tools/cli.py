@@ -47,7 +47,8 @@ def make_model_command(args: argparse.Namespace) -> int:
 def synth_command(args: argparse.Namespace) -> int:
     """Write a generated camera stream with known events as a rosbag2 (plus events.json)."""
     from ..core.bag import load_events
-    from ..training.synth import BUSY, SceneOptions, write_synth_bag
+    from ..training.scenes import BUSY, SceneOptions
+    from ..training.synth import write_synth_bag
 
     out = write_synth_bag(
         args.out_bag,

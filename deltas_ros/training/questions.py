@@ -1,7 +1,7 @@
 """The questions the shipped scene model knows, their true answers, and how answers are scored.
 
 The forms are an interface (README lists them). Truth comes from a scene stream's events
-(synth.SceneStream). The model writes the answer; code here only makes training targets and
+(scenes.SceneStream). The model writes the answer; code here only makes training targets and
 scores what the model wrote.
 
     What appeared?                       a red circle and a blue square
@@ -13,7 +13,7 @@ scores what the model wrote.
     How many objects appeared?           two
 
 An object is a colour-shape identity: one that comes back into view is still one object. Where
-several objects share the shape or colour asked about (the busy world, synth.BUSY), an answer
+several objects share the shape or colour asked about (the busy world, scenes.BUSY), an answer
 names every one of them in order of first appearance (oldest first):
 
     What color was the circle?           the circle was red and blue
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .synth import COLOURS, SHAPES
+from .palette import COLOURS, SHAPES
 
 FORMS = ("colour", "shape", "seen", "appeared", "when", "count")
 TARGET_FORMS = ("colour", "shape", "seen")  # the forms the accuracy target is about

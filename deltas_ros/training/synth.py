@@ -13,7 +13,6 @@ import bisect
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -23,32 +22,11 @@ from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
 
 from ..core.bag import EVENTS_FILE
+from .palette import COLOURS, NOISE_AMPLITUDE, NOISE_BANK, SHAPES, TINTS, background
+from .scenes import SceneOptions, scene_stream
 
 NS_PER_S = 1_000_000_000
-
-# Saturated colours that stand out from the muted backgrounds, by name for the event labels.
-COLOURS = {
-    "red": (230, 30, 30),
-    "green": (30, 210, 50),
-    "blue": (40, 70, 240),
-    "yellow": (245, 225, 30),
-    "magenta": (230, 40, 220),
-    "cyan": (30, 225, 235),
-    "white": (250, 250, 250),
-    "orange": (250, 140, 20),
-}
-SHAPES = ("circle", "square", "triangle")
-# Background tints, by name for the labels of cuts.
-TINTS = {
-    "grey": (1.0, 1.0, 1.0),
-    "warm": (1.15, 0.95, 0.75),
-    "cool": (0.75, 0.95, 1.15),
-    "green": (0.8, 1.15, 0.8),
-    "purple": (1.05, 0.8, 1.1),
-}
 CUT_PROBABILITY = 0.3
-NOISE_BANK = 8  # precomputed noise frames, drawn at random per frame: cheap and still "live"
-NOISE_AMPLITUDE = 3
 
 
 def stamp_ns(start_stamp: float, index: int, fps: float) -> int:
@@ -56,18 +34,6 @@ def stamp_ns(start_stamp: float, index: int, fps: float) -> int:
     sec = math.floor(start_stamp)
     start = sec * NS_PER_S + round((start_stamp - sec) * NS_PER_S)
     return start + round(Fraction(index * NS_PER_S) / Fraction(fps))
-
-
-def _background(rng: np.random.Generator, width: int, height: int, tint: str) -> np.ndarray:
-    """A static textured scene: smooth, muted colour blobs plus finer grey texture, tinted."""
-    grey = rng.uniform(70, 180, size=(4, 5, 1))
-    coarse = (grey + rng.uniform(-20, 20, size=(4, 5, 3))).astype(np.float32)
-    base = cv2.resize(coarse, (width, height), interpolation=cv2.INTER_CUBIC)
-    fine = rng.uniform(-35, 35, size=(max(2, height // 12), max(2, width // 12), 1))
-    texture = cv2.resize(fine.astype(np.float32), (width, height), interpolation=cv2.INTER_LINEAR)
-    image = (base + texture[..., None]) * np.array(TINTS[tint], dtype=np.float32)
-    return np.clip(image, 0, 255).astype(np.uint8)
-
 
 def _draw_object(
     image: np.ndarray, rng: np.random.Generator, shape: str, colour: str
@@ -115,9 +81,9 @@ def synth_stream(
         raise ValueError("synth_stream needs duration, fps, event spacing > 0 and a frame >= 8x8")
     rng = np.random.default_rng(seed)
     tint = "grey"
-    background = _background(rng, width, height, tint)
+    view = background(rng, width, height, tint)
     # The piecewise-constant scene: segment start times and the image shown from then on.
-    starts, scenes = [0.0], [background]
+    starts, scenes = [0.0], [view]
     events: list[dict] = []
     nominal, last_end = event_every_s, 0.0
     while True:
@@ -132,16 +98,16 @@ def synth_stream(
             colour = list(COLOURS)[rng.integers(len(COLOURS))]
             label = f"{colour} {shape}"
             starts += [start, end]
-            scenes += [_draw_object(background, rng, shape, colour), background]
+            scenes += [_draw_object(view, rng, shape, colour), view]
         else:
             end = start
             if end >= duration_s:
                 break
             tint = str(rng.choice([name for name in TINTS if name != tint]))
             label = f"cut to a {tint} scene"
-            background = _background(rng, width, height, tint)
+            view = background(rng, width, height, tint)
             starts.append(start)
-            scenes.append(background)
+            scenes.append(view)
         events.append({"time": start, "end": end, "kind": kind, "label": label})
         last_end, nominal = end, nominal + event_every_s
     noise = rng.integers(
@@ -238,251 +204,3 @@ def write_synth_bag(
     }
     (path / EVENTS_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
     return path
-
-
-# ----------------------------------------------------------------------------- scene streams
-# Streams for training and evaluating a model that answers about what it saw: saturated shapes
-# appear, move and leave over a textured, noisy, jittering view, with dull distractors (never
-# counted as objects) and scene cuts. By default each object's shape and colour are unique within
-# a stream, so every question about "the circle" or "the red one" has one answer. The busy world
-# (`BUSY`, opt-in) has up to 12 objects out of the 24 colour-shape identities, sharing shapes and
-# colours, some coming back into view later; an identity is still one object of the stream.
-
-
-@dataclass(frozen=True)
-class SceneOptions:
-    """What a scene stream may contain (counts are drawn uniformly from the ranges).
-
-    objects:      (min, max) objects; at most len(SHAPES), one of each shape at most, unless
-                  shared
-    visible_s:    (min, max) seconds an object stays in view (each time it is in view)
-    jitter:       camera shake amplitude as a fraction of the frame width
-    cuts:         (min, max) scene cuts (a new background from then on)
-    distractors:  (min, max) dull grey blobs drifting through (not objects)
-    overlap:      whether objects may be in view at the same time
-    shared:       objects may share a shape or a colour (each still a distinct colour-shape pair,
-                  up to len(COLOURS) * len(SHAPES) objects)
-    reappear:     probability that an object comes back into view once more, later
-
-    shared or reappear draws the stream another way (`SceneStream._busy_objects`); without
-    them a seed gives the streams it always gave.
-    """
-
-    objects: tuple[int, int] = (1, 3)
-    visible_s: tuple[float, float] = (2.0, 4.0)
-    jitter: float = 0.01
-    cuts: tuple[int, int] = (0, 1)
-    distractors: tuple[int, int] = (0, 1)
-    overlap: bool = False
-    shared: bool = False
-    reappear: float = 0.0
-
-    def __post_init__(self) -> None:
-        most = len(COLOURS) * len(SHAPES) if self.shared else len(SHAPES)
-        if not 1 <= self.objects[0] <= self.objects[1] <= most:
-            raise ValueError(f"objects must be within 1..{most}, got {self.objects}")
-        if not 0 < self.visible_s[0] <= self.visible_s[1]:
-            raise ValueError(f"visible_s must be positive and ordered, got {self.visible_s}")
-        if min(*self.cuts, *self.distractors) < 0 or self.jitter < 0:
-            raise ValueError("cuts, distractors and jitter must be >= 0")
-        if not 0 <= self.reappear <= 1:
-            raise ValueError(f"reappear must be a probability, got {self.reappear}")
-
-    @property
-    def busy(self) -> bool:
-        return self.shared or self.reappear > 0
-
-
-# The busy world: 1-12 of the 24 colour-shape identities a stream, shapes and colours shared,
-# a third of them back in view later, more cuts and distractors. Long streams then have long
-# quiet stretches between objects (the free time is split at random points).
-BUSY = SceneOptions(objects=(1, 12), cuts=(0, 3), distractors=(0, 6), shared=True,
-                    reappear=0.33)
-
-
-@dataclass(frozen=True)
-class _Mover:
-    """Something that crosses the view in a straight line while visible (fractions of the
-    frame: centre from `start` to `stop`, `size` of the height)."""
-
-    shape: str
-    colour: tuple[int, int, int]
-    time: float
-    end: float
-    start: tuple[float, float]
-    stop: tuple[float, float]
-    size: float
-
-    def centre(self, t: float) -> tuple[float, float]:
-        a = (t - self.time) / max(self.end - self.time, 1e-9)
-        return (self.start[0] + a * (self.stop[0] - self.start[0]),
-                self.start[1] + a * (self.stop[1] - self.start[1]))
-
-
-class SceneStream:
-    """A scene stream rendered on demand at any time and size: `frame(t)` (RGB uint8 HxWx3).
-
-    Deterministic from the seed; the same stream renders at 128x96 for training and 640x480
-    for a bag (shapes, motion and jitter are in fractions of the frame).
-    """
-
-    def __init__(self, duration_s: float, width: int, height: int, seed: int,
-                 options: SceneOptions = SceneOptions()) -> None:
-        if duration_s <= 0 or width < 32 or height < 32:
-            raise ValueError("a scene stream needs a duration > 0 and a frame >= 32x32")
-        rng = np.random.default_rng(seed)
-        self.duration_s, self.width, self.height = duration_s, width, height
-        self.options = options
-        count = int(rng.integers(options.objects[0], options.objects[1] + 1))
-        if options.busy:
-            self.labels = self._busy_objects(rng, count, options)
-        else:
-            shapes = rng.permutation(SHAPES)[:count]
-            colours = rng.permutation(list(COLOURS))[:count]
-            self.labels = [(str(c), str(s)) for s, c in zip(shapes, colours)]
-        # One mover per time in view: a reappearing object has a label (and a mover) per visit.
-        spans = self._spans(rng, len(self.labels), duration_s, options)
-        self.objects = [self._mover(rng, s, COLOURS[c], t0, t1)
-                        for (c, s), (t0, t1) in zip(self.labels, spans)]
-        self.distractors = []
-        for _ in range(int(rng.integers(options.distractors[0], options.distractors[1] + 1))):
-            t0 = round(float(rng.uniform(0, max(duration_s - 1.0, 0.1))), 3)
-            grey = int(rng.integers(60, 200))
-            shade = tuple(int(np.clip(grey + d, 0, 255)) for d in rng.integers(-15, 16, 3))
-            self.distractors.append(replace(
-                self._mover(rng, "blob", shade, t0,
-                            round(min(duration_s, t0 + float(rng.uniform(1, 4))), 3)),
-                size=float(rng.uniform(0.12, 0.2))))
-        tint = "grey"
-        self.backgrounds = [(0.0, tint, int(rng.integers(2**31)))]
-        cuts = int(rng.integers(options.cuts[0], options.cuts[1] + 1))
-        for time in sorted(rng.uniform(0.5, duration_s, cuts)):
-            tint = str(rng.choice([name for name in TINTS if name != tint]))
-            self.backgrounds.append((round(float(time), 3), tint, int(rng.integers(2**31))))
-        self.jitter_phase = rng.uniform(0, 2 * math.pi, 4)
-        self.noise_seed = int(rng.integers(2**31))
-        self._cache: dict[int, np.ndarray] = {}
-
-    @staticmethod
-    def _busy_objects(rng: np.random.Generator, count: int,
-                      options: SceneOptions) -> list[tuple[str, str]]:
-        """(colour, shape) per time in view, in order: `count` distinct identities (shapes
-        and colours shared), each shown once more with probability `reappear`; the visits are
-        shuffled, so a second visit may come right after the first or minutes later."""
-        identities = [(c, s) for c in COLOURS for s in SHAPES]
-        picked = [identities[i] for i in rng.choice(len(identities), count, replace=False)]
-        visits = picked + [o for o in picked if rng.random() < options.reappear]
-        return [visits[i] for i in rng.permutation(len(visits))]
-
-    @staticmethod
-    def _spans(rng: np.random.Generator, count: int, duration: float,
-               options: SceneOptions) -> list[tuple[float, float]]:
-        """Visible intervals (rounded to ms) inside the stream, sorted; disjoint unless overlap."""
-        lo, hi = options.visible_s
-        lengths = [min(float(rng.uniform(lo, hi)), duration * 0.9 / count) for _ in range(count)]
-        if options.overlap:
-            starts = sorted(float(rng.uniform(0, duration - length)) for length in lengths)
-        else:
-            # Random gaps: the free time split at count sorted uniform points.
-            free = duration - sum(lengths)
-            cuts = sorted(rng.uniform(0, free, count))
-            starts, used = [], 0.0
-            for cut, length in zip(cuts, lengths):
-                starts.append(cut + used)
-                used += length
-        return [(round(float(s), 3), round(float(s + length), 3))
-                for s, length in zip(starts, lengths)]
-
-    @staticmethod
-    def _mover(rng: np.random.Generator, shape: str, colour: tuple[int, int, int],
-               t0: float, t1: float) -> _Mover:
-        size = float(rng.uniform(0.4, 0.55))
-        margin = size / 2
-        start = tuple(float(v) for v in rng.uniform(margin, 1 - margin, 2))
-        stop = tuple(float(v) for v in rng.uniform(margin, 1 - margin, 2))
-        # x in fractions of the width: a size-h object spans size*h/w of it.
-        return _Mover(shape, colour, t0, t1, start, stop, size)
-
-    def events(self) -> list[dict]:
-        """Ground truth: objects (appear `time`, leave `end`, `shape`, `colour`; one event per
-        time in view, so a reappearing object has several), cuts and distractors, sorted by
-        time."""
-        events = [{"time": o.time, "end": o.end, "kind": "object", "label": f"{c} {s}",
-                   "shape": s, "colour": c} for o, (c, s) in zip(self.objects, self.labels)]
-        events += [{"time": t, "end": t, "kind": "cut", "label": f"cut to a {tint} scene"}
-                   for t, tint, _ in self.backgrounds[1:]]
-        events += [{"time": d.time, "end": d.end, "kind": "distractor", "label": "grey blob"}
-                   for d in self.distractors]
-        return sorted(events, key=lambda e: e["time"])
-
-    def visible(self, t: float) -> list[tuple[str, str]]:
-        """(colour, shape) of the objects in view at time t."""
-        return [label for o, label in zip(self.objects, self.labels) if o.time <= t < o.end]
-
-    def _background(self, t: float) -> np.ndarray:
-        index = bisect.bisect_right([b[0] for b in self.backgrounds], t) - 1
-        if index not in self._cache:
-            _, tint, seed = self.backgrounds[index]
-            # Drawn 25 % larger than the frame so that the jitter never shows a border.
-            self._cache[index] = _background(np.random.default_rng(seed),
-                                             self.width * 5 // 4, self.height * 5 // 4, tint)
-        return self._cache[index]
-
-    def frame(self, t: float, index: int = 0) -> np.ndarray:
-        """The view at stream time t; `index` picks the sensor noise (a frame counter)."""
-        w, h = self.width, self.height
-        big = self._background(t)
-        amp = self.options.jitter * w
-        ph = self.jitter_phase
-        dx = amp * (math.sin(2.1 * t + ph[0]) + 0.5 * math.sin(5.3 * t + ph[1]))
-        dy = amp * (math.sin(1.7 * t + ph[2]) + 0.5 * math.sin(4.1 * t + ph[3]))
-        x0 = int(round((big.shape[1] - w) / 2 + dx))
-        y0 = int(round((big.shape[0] - h) / 2 + dy))
-        image = np.ascontiguousarray(big[y0:y0 + h, x0:x0 + w])
-        for mover in [*self.distractors, *self.objects]:
-            if mover.time <= t < mover.end:
-                cx, cy = mover.centre(t)
-                _draw_shape(image, mover.shape, mover.colour,
-                            (cx * w - dx, cy * h - dy), mover.size * h)
-        noise = np.random.default_rng((self.noise_seed, index)).integers(
-            -NOISE_AMPLITUDE, NOISE_AMPLITUDE + 1, size=image.shape, dtype=np.int16)
-        return np.clip(image + noise, 0, 255).astype(np.uint8)
-
-    def frames(self, fps: float) -> Iterator[tuple[float, np.ndarray]]:
-        """(time_s, frame) at `fps` from time 0, lazily."""
-        for index in range(round(self.duration_s * fps)):
-            yield index / fps, self.frame(index / fps, index)
-
-
-def _draw_shape(image: np.ndarray, shape: str, colour: tuple[int, int, int],
-                centre: tuple[float, float], side: float) -> None:
-    """Draw a filled shape (outlined, except blobs) of bounding side `side` px, in place."""
-    cx, cy, half = int(round(centre[0])), int(round(centre[1])), max(2, int(side / 2))
-    outline = max(1, image.shape[1] // 160)
-    if shape in ("circle", "blob"):
-        axes = (half, half) if shape == "circle" else (half, max(2, half * 2 // 3))
-        cv2.ellipse(image, (cx, cy), axes, 0, 0, 360, colour, -1, cv2.LINE_AA)
-        if shape == "circle":
-            cv2.ellipse(image, (cx, cy), axes, 0, 0, 360, (0, 0, 0), outline, cv2.LINE_AA)
-        return
-    if shape == "square":
-        half = int(half * 0.85)  # about the circle's area
-        corners = [(cx - half, cy - half), (cx + half, cy - half), (cx + half, cy + half),
-                   (cx - half, cy + half)]
-    else:
-        corners = [(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)]
-    points = np.array(corners, dtype=np.int32)
-    cv2.fillPoly(image, [points], colour, cv2.LINE_AA)
-    cv2.polylines(image, [points], True, (0, 0, 0), outline, cv2.LINE_AA)
-
-
-def scene_stream(
-    duration_s: float, fps: float, width: int, height: int, seed: int = 0,
-    options: SceneOptions = SceneOptions(),
-) -> tuple[Iterator[tuple[float, np.ndarray]], list[dict]]:
-    """Like `synth_stream`: frames (time_s, RGB uint8 HxWx3), lazily, and the events (objects
-    with `shape` and `colour`, cuts, distractors). Deterministic from `seed`."""
-    if fps <= 0:
-        raise ValueError("scene_stream needs fps > 0")
-    stream = SceneStream(duration_s, width, height, seed, options)
-    return stream.frames(fps), stream.events()

@@ -56,6 +56,7 @@ from ..core.maker import (
 )
 from ..core.prompt import ChatLayout
 from .cache import repeat_cache
+from .palette import COLOURS, SHAPES
 from .questions import (
     DOMAIN_WORDS,
     FORMS,
@@ -64,7 +65,7 @@ from .questions import (
     TIME_TEXT_PIECES,
     sample_questions,
 )
-from .synth import COLOURS, SHAPES, SceneOptions, SceneStream
+from .scenes import SceneOptions, SceneStream
 
 FPS = 2.0
 FRAMES_PER_CHUNK = 2
@@ -83,7 +84,7 @@ class Stage:
     advance_at: running accuracy on the target forms that ends the stage early (> 1: never)
     min_steps:  steps in the stage before advance_at is looked at
     forms:      question form weights of this stage (default: the config's)
-    shared, reappear: the busy world's scene options (synth.SceneOptions)
+    shared, reappear: the busy world's scene options (scenes.SceneOptions)
     """
 
     until_step: int
