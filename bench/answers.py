@@ -46,6 +46,7 @@ from deltas_ros.core.loader import (
 )
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES
+from deltas_ros.training.config import Stage
 from deltas_ros.training.questions import (
     FORMS,
     QA,
@@ -54,8 +55,8 @@ from deltas_ros.training.questions import (
     make_question,
     objects_of,
 )
+from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import SceneStream
-from deltas_ros.training.train import VALIDATION_SEEDS, Stage, sampled_chunks
 
 from .common import add_out_arg, finish, md_table, start_results
 from .retention import PIXEL_DIFF, PixelDiffPolicy, pixel_difference

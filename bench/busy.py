@@ -45,8 +45,8 @@ from deltas_ros.core.loader import (
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.training.palette import COLOURS, SHAPES
 from deltas_ros.training.questions import QA, TEMPLATES, answer_for, identities_of, is_correct
+from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import BUSY, SceneStream
-from deltas_ros.training.train import VALIDATION_SEEDS, sampled_chunks
 
 from .answers import wilson
 from .common import add_out_arg, finish, md_table, start_results

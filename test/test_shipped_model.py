@@ -11,9 +11,9 @@ from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import ChunkSignals, RetentionPolicy
 from deltas_ros.tools.cli import main
 from deltas_ros.training.questions import QA, answer_for, is_correct, objects_of
+from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import SceneOptions, SceneStream
 from deltas_ros.training.synth import write_synth_bag
-from deltas_ros.training.train import VALIDATION_SEEDS, sampled_chunks
 
 # Held-out streams (seeds below VALIDATION_SEEDS never reach training or model selection),
 # picked among those the shipped model answers right, with a circle in view early on.

@@ -13,23 +13,19 @@ from deltas_ros.core.chunks import ChunkBuilder
 from deltas_ros.core.loader import LoadedModel, load_model, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.prompt import ChatLayout
+from deltas_ros.training.config import Stage, TrainConfig, VisionPretrain
 from deltas_ros.training.palette import COLOURS, SHAPES
-from deltas_ros.training.scenes import SceneStream
-from deltas_ros.training.train import (
+from deltas_ros.training.samples import (
     VISION_SEEDS,
-    Stage,
-    TrainConfig,
-    Trainer,
-    VisionPretrain,
     forward,
     make_batch,
-    new_model,
     qa_ids,
     sampled_chunks,
-    scene_tokenizer,
     stream_input,
     vision_sample,
 )
+from deltas_ros.training.scenes import SceneStream
+from deltas_ros.training.train import Trainer, new_model, scene_tokenizer
 
 TINY = dict(batch=2, questions=3, warmup=1, validation_streams=2, validation_seconds=4,
             log_every=1, width=64, height=48, pixel_budget=4096, max_minutes=600,

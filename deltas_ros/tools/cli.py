@@ -186,7 +186,8 @@ def ask_command(args: argparse.Namespace) -> int:
 
 def train_command(args: argparse.Namespace) -> int:
     """Train the tiny scene model (a Qwen3.5) on generated streams; see training/train.py."""
-    from ..training.train import TrainConfig, Trainer
+    from ..training.config import TrainConfig
+    from ..training.train import Trainer
 
     cfg = TrainConfig.from_file(args.config, seed=args.seed, max_minutes=args.max_minutes,
                                 max_steps=args.max_steps, threads=args.threads)

@@ -33,7 +33,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 from tokenizers import AddedToken
 from tqdm import tqdm
-from transformers.cache_utils import DynamicCache
 
 from ..core.chunks import ChunkBuilder
 from ..core.kernels import select_gated_delta_kernels
@@ -55,7 +54,7 @@ from ..core.maker import (
     tiny_config,
 )
 from ..core.prompt import ChatLayout
-from .cache import repeat_cache
+from .config import TrainConfig
 from .palette import COLOURS, SHAPES
 from .questions import (
     DOMAIN_WORDS,
@@ -63,57 +62,16 @@ from .questions import (
     QA,
     TARGET_FORMS,
     TIME_TEXT_PIECES,
-    sample_questions,
 )
-from .scenes import SceneOptions, SceneStream
-
-FPS = 2.0
-FRAMES_PER_CHUNK = 2
-# Stream seeds: training draws from TRAIN_SEEDS on, validation from VALIDATION_SEEDS on;
-# evaluation uses seeds below VALIDATION_SEEDS, never seen in training or model selection.
-VALIDATION_SEEDS = 500_000
-TRAIN_SEEDS = 1_000_000
-VISION_SEEDS = 10**12  # the vision phase's scenes, apart from the streams'
-
-
-@dataclass
-class Stage:
-    """One curriculum stage (the last one runs to the end of training).
-
-    until_step: the step at which the next stage starts at the latest
-    advance_at: running accuracy on the target forms that ends the stage early (> 1: never)
-    min_steps:  steps in the stage before advance_at is looked at
-    forms:      question form weights of this stage (default: the config's)
-    shared, reappear: the busy world's scene options (scenes.SceneOptions)
-    """
-
-    until_step: int
-    seconds: tuple[int, int] = (4, 8)
-    objects: tuple[int, int] = (1, 2)
-    cuts: tuple[int, int] = (0, 0)
-    distractors: tuple[int, int] = (0, 0)
-    overlap: bool = False
-    advance_at: float = 2.0
-    min_steps: int = 100
-    forms: dict[str, float] | None = None
-    shared: bool = False
-    reappear: float = 0.0
-
-    def options(self) -> SceneOptions:
-        return SceneOptions(objects=tuple(self.objects), cuts=tuple(self.cuts),
-                            distractors=tuple(self.distractors), overlap=self.overlap,
-                            shared=self.shared, reappear=self.reappear)
-
-
-@dataclass
-class VisionPretrain:
-    """The vision tower's own first phase (0 steps: none)."""
-
-    steps: int = 0
-    batch: int = 32
-    lr: float = 3e-3
-    empty: float = 0.25  # share of chunks that show no object
-    tied: bool = False  # classify against the words' input embeddings (VisionHead)
+from .samples import (
+    TRAIN_SEEDS,
+    VALIDATION_SEEDS,
+    VISION_SEEDS,
+    forward,
+    loss_and_hits,
+    make_batch,
+    vision_sample,
+)
 
 
 class VisionHead(torch.nn.Module):
@@ -146,64 +104,6 @@ class VisionHead(torch.nn.Module):
                    torch.cat([rows[n:], self.nothing[1:]]))
         return tuple(self.scale * unit @ F.normalize(c, dim=-1).T for c in classes)
 
-
-@dataclass
-class TrainConfig:
-    """Everything a run depends on (config/train_tiny.yaml sets these)."""
-
-    seed: int = 0
-    batch: int = 8
-    questions: int = 4
-    lr: float = 2e-3
-    betas: tuple[float, float] = (0.9, 0.98)
-    weight_decay: float = 0.01
-    warmup: int = 50
-    decay_fraction: float = 0.3
-    clip: float = 1.0
-    max_steps: int = 100_000
-    max_minutes: float = 60.0
-    checkpoint_minutes: float = 5.0
-    validate_minutes: float = 5.0
-    validation_streams: int = 32
-    validation_seconds: int = 20
-    log_every: int = 20
-    threads: int = 1
-    width: int = 128
-    height: int = 96
-    pixel_budget: int = 8192
-    forms: dict[str, float] = field(default_factory=lambda: {
-        "colour": 3, "shape": 2, "seen": 3, "appeared": 1, "when": 1, "count": 1})
-    text: dict[str, Any] = field(default_factory=dict)  # overrides of maker.TINY_TEXT
-    vision: dict[str, Any] = field(default_factory=dict)  # overrides of maker.TINY_VISION
-    stages: list[Stage] = field(default_factory=lambda: [Stage(10**9)])
-    vision_pretrain: VisionPretrain = field(default_factory=VisionPretrain)
-    # A model directory (`export_model`'s) whose weights the run starts from instead of a fresh
-    # initialization: same sizes and the same tokenizer. Relative paths are from the package's
-    # parent ("deltas_ros/models/scenes-tiny" is the shipped model wherever one runs).
-    init: str = ""
-
-    @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
-        import yaml
-
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        raw.update({k: v for k, v in overrides.items() if v is not None})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-        raw["stages"] = [Stage(**{k: tuple(v) if isinstance(v, list) else v
-                                  for k, v in s.items()}) for s in raw.get("stages", [])] \
-            or [Stage(10**9)]
-        for stage in raw["stages"]:
-            if set(stage.forms or {}) - set(FORMS):
-                raise ValueError(f"{path}: unknown question forms in {stage}")
-        if "betas" in raw:
-            raw["betas"] = tuple(raw["betas"])
-        raw["vision_pretrain"] = VisionPretrain(**raw.get("vision_pretrain", {}))
-        unknown_forms = set(raw.get("forms", {})) - set(FORMS)
-        if unknown_forms:
-            raise ValueError(f"{path}: unknown question forms {sorted(unknown_forms)}")
-        return cls(**raw)
 
 
 
@@ -261,151 +161,6 @@ def export_model(model, tokenizer, out_dir: str | Path, pixel_budget: int,
     (out_dir / MODEL_INFO_FILE).write_text(
         json.dumps({"pixel_budget": pixel_budget, **info}, indent=2) + "\n")
     return out_dir
-
-
-# ----------------------------------------------------------------------------- samples
-@dataclass
-class StreamInput:
-    """One stream as the memory prefills it, before any question.
-
-    input_ids (L,), positions (3, L), pixel_values (chunks * patches, patch_dim),
-    grid_thw (chunks, 3); next_position: where the question starts.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    pixel_values: torch.Tensor
-    grid_thw: torch.Tensor
-    next_position: int
-
-
-def chunk_frames(stream: SceneStream) -> list[list[int]]:
-    """Frame indices of each chunk: frame k at stream time k / FPS (2 fps from time 0), two per
-    chunk, as the node's FrameSampler groups a camera stream (times count from the first
-    frame)."""
-    n = round(stream.duration_s * FPS) // FRAMES_PER_CHUNK * FRAMES_PER_CHUNK
-    return [list(range(i, i + FRAMES_PER_CHUNK)) for i in range(0, n, FRAMES_PER_CHUNK)]
-
-
-def sampled_chunks(stream: SceneStream) -> list[tuple[list[np.ndarray], list[float]]]:
-    """(frames, times) per chunk (`chunk_frames`), rendered."""
-    return [([stream.frame(k / FPS, k) for k in frames], [k / FPS for k in frames])
-            for frames in chunk_frames(stream)]
-
-
-def stream_input(builder: ChunkBuilder, layout: ChatLayout,
-                 chunks: list[tuple[list[np.ndarray], list[float]]]) -> StreamInput:
-    """The chat prefix, then each chunk at the running position, as StreamingMemory does."""
-    ids, positions = builder.text(layout.prefix, 0)
-    all_ids, all_pos, pixels, grids = [ids[0]], [positions[:, 0]], [], []
-    position = positions.max().item() + 1
-    for frames, times in chunks:
-        chunk = builder.build(frames, times, position)
-        all_ids.append(chunk.input_ids[0])
-        all_pos.append(chunk.position_ids[:, 0])
-        pixels.append(chunk.pixel_values)
-        grids.append(chunk.grid_thw)
-        position = chunk.next_position
-    return StreamInput(torch.cat(all_ids), torch.cat(all_pos, 1), torch.cat(pixels),
-                       torch.cat(grids), position)
-
-
-def qa_ids(tokenizer, layout: ChatLayout, qa: QA) -> tuple[list[int], int]:
-    """Question (closing the user turn, opening the answer) + answer + <|im_end|>; and where
-    the answer starts."""
-    question = layout.question_ids(tokenizer, qa.question)
-    answer = tokenizer.encode(qa.answer, add_special_tokens=False)
-    return question + answer + [tokenizer.convert_tokens_to_ids("<|im_end|>")], len(question)
-
-
-@dataclass
-class Batch:
-    """B streams of equal length (same token layout) and Q questions each."""
-
-    streams: list[StreamInput]
-    qas: list[QA]  # B * Q, stream-major
-    qa_ids: torch.Tensor  # (B * Q, Lq), right-padded
-    answer_mask: torch.Tensor  # (B * Q, Lq) bool: positions whose next token is supervised
-
-
-def make_batch(builder: ChunkBuilder, layout: ChatLayout, cfg: TrainConfig, seeds: list[int],
-               seconds: int, options: SceneOptions, questions: int,
-               forms: dict[str, float] | None = None) -> Batch:
-    tokenizer = builder.tokenizer
-    streams, qas, rows, starts = [], [], [], []
-    for seed in seeds:
-        scene = SceneStream(seconds, cfg.width, cfg.height, seed, options)
-        streams.append(stream_input(builder, layout, sampled_chunks(scene)))
-        rng = np.random.default_rng((seed, 7))
-        for qa in sample_questions(scene.events(), rng, questions, forms or cfg.forms):
-            ids, start = qa_ids(tokenizer, layout, qa)
-            qas.append(qa)
-            rows.append(ids)
-            starts.append(start)
-    width = max(map(len, rows))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (row, start) in enumerate(zip(rows, starts)):
-        mask[i, start - 1:len(row) - 1] = True  # logits at p predict token p + 1
-    return Batch(streams, qas, ids, mask)
-
-
-def forward(model, batch: Batch, device: torch.device) -> torch.Tensor:
-    """Logits (B * Q, Lq, vocab) of the questions and answers after their streams."""
-    text_config = model.config.text_config
-    streams = batch.streams
-    ids = torch.stack([s.input_ids for s in streams]).to(device)
-    positions = torch.stack([s.positions for s in streams], 1).to(device)
-    cache = DynamicCache(config=text_config)
-    model.model(
-        input_ids=ids,
-        pixel_values_videos=torch.cat([s.pixel_values for s in streams]).to(device),
-        video_grid_thw=torch.cat([s.grid_thw for s in streams]).to(device),
-        mm_token_type_ids=(ids == model.config.video_token_id).int() * 2,
-        position_ids=positions, cache=cache, use_cache=True,
-    )
-    repeats = batch.qa_ids.shape[0] // len(streams)
-    cache = repeat_cache(cache, repeats, text_config)
-    start = streams[0].next_position
-    width = batch.qa_ids.shape[1]
-    qa_positions = torch.arange(start, start + width, device=device).expand(3, len(batch.qas), -1)
-    hidden = model.model(input_ids=batch.qa_ids.to(device), position_ids=qa_positions,
-                         cache=cache, use_cache=True).last_hidden_state
-    return model.lm_head(hidden)
-
-
-def loss_and_hits(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, list[bool]]:
-    """Cross-entropy over the answer tokens; per question whether every answer token is the
-    argmax (teacher-forced exact match)."""
-    targets = batch.qa_ids[:, 1:].to(logits.device)
-    mask = batch.answer_mask[:, :-1].to(logits.device)
-    picked = logits[:, :-1][mask]
-    loss = F.cross_entropy(picked.float(), targets[mask])
-    right = (logits[:, :-1].argmax(-1) == targets) | ~mask
-    return loss, right.all(1).tolist()
-
-
-def vision_sample(builder: ChunkBuilder, cfg: TrainConfig, seed: int,
-                  ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """A chunk of a one-object scene stream (the last stage's cuts and distractors) and what
-    it shows: (pixel values, grid_thw, shape index, colour index) into SHAPES and COLOURS, or
-    len(SHAPES), len(COLOURS) for no object (chosen with probability vision_pretrain.empty)."""
-    options = replace(cfg.stages[-1].options(), objects=(1, 1))
-    scene = SceneStream(4, cfg.width, cfg.height, seed, options)
-    chunks = chunk_frames(scene)  # only the chosen chunk is rendered
-    seen = [[scene.visible(k / FPS) for k in frames] for frames in chunks]
-    whole = [k for k, s in enumerate(seen) if all(s)]  # the object in both frames
-    empty = [k for k, s in enumerate(seen) if not any(s)]
-    rng = np.random.default_rng((seed, 5))
-    pool = empty if empty and rng.random() < cfg.vision_pretrain.empty else whole
-    k = pool[int(rng.integers(len(pool)))]
-    chunk = builder.build([scene.frame(i / FPS, i) for i in chunks[k]],
-                          [i / FPS for i in chunks[k]], 0)
-    if not seen[k][0]:
-        return chunk.pixel_values, chunk.grid_thw, len(SHAPES), len(COLOURS)
-    colour, shape = seen[k][0][0]
-    return chunk.pixel_values, chunk.grid_thw, SHAPES.index(shape), list(COLOURS).index(colour)
 
 
 # ----------------------------------------------------------------------------- training

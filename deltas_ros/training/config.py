@@ -1,0 +1,111 @@
+"""What a training run depends on: the config file's keys (`TrainConfig`), its curriculum stages
+and the vision phase, read from YAML (config/train_tiny.yaml, config/train_busy.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .questions import FORMS
+from .scenes import SceneOptions
+
+
+@dataclass
+class Stage:
+    """One curriculum stage (the last one runs to the end of training).
+
+    until_step: the step at which the next stage starts at the latest
+    advance_at: running accuracy on the target forms that ends the stage early (> 1: never)
+    min_steps:  steps in the stage before advance_at is looked at
+    forms:      question form weights of this stage (default: the config's)
+    shared, reappear: the busy world's scene options (scenes.SceneOptions)
+    """
+
+    until_step: int
+    seconds: tuple[int, int] = (4, 8)
+    objects: tuple[int, int] = (1, 2)
+    cuts: tuple[int, int] = (0, 0)
+    distractors: tuple[int, int] = (0, 0)
+    overlap: bool = False
+    advance_at: float = 2.0
+    min_steps: int = 100
+    forms: dict[str, float] | None = None
+    shared: bool = False
+    reappear: float = 0.0
+
+    def options(self) -> SceneOptions:
+        return SceneOptions(objects=tuple(self.objects), cuts=tuple(self.cuts),
+                            distractors=tuple(self.distractors), overlap=self.overlap,
+                            shared=self.shared, reappear=self.reappear)
+
+
+@dataclass
+class VisionPretrain:
+    """The vision tower's own first phase (0 steps: none)."""
+
+    steps: int = 0
+    batch: int = 32
+    lr: float = 3e-3
+    empty: float = 0.25  # share of chunks that show no object
+    tied: bool = False  # classify against the words' input embeddings (VisionHead)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on (config/train_tiny.yaml sets these)."""
+
+    seed: int = 0
+    batch: int = 8
+    questions: int = 4
+    lr: float = 2e-3
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.01
+    warmup: int = 50
+    decay_fraction: float = 0.3
+    clip: float = 1.0
+    max_steps: int = 100_000
+    max_minutes: float = 60.0
+    checkpoint_minutes: float = 5.0
+    validate_minutes: float = 5.0
+    validation_streams: int = 32
+    validation_seconds: int = 20
+    log_every: int = 20
+    threads: int = 1
+    width: int = 128
+    height: int = 96
+    pixel_budget: int = 8192
+    forms: dict[str, float] = field(default_factory=lambda: {
+        "colour": 3, "shape": 2, "seen": 3, "appeared": 1, "when": 1, "count": 1})
+    text: dict[str, Any] = field(default_factory=dict)  # overrides of maker.TINY_TEXT
+    vision: dict[str, Any] = field(default_factory=dict)  # overrides of maker.TINY_VISION
+    stages: list[Stage] = field(default_factory=lambda: [Stage(10**9)])
+    vision_pretrain: VisionPretrain = field(default_factory=VisionPretrain)
+    # A model directory (`export_model`'s) whose weights the run starts from instead of a fresh
+    # initialization: same sizes and the same tokenizer. Relative paths are from the package's
+    # parent ("deltas_ros/models/scenes-tiny" is the shipped model wherever one runs).
+    init: str = ""
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        import yaml
+
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+        raw["stages"] = [Stage(**{k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in s.items()}) for s in raw.get("stages", [])] \
+            or [Stage(10**9)]
+        for stage in raw["stages"]:
+            if set(stage.forms or {}) - set(FORMS):
+                raise ValueError(f"{path}: unknown question forms in {stage}")
+        if "betas" in raw:
+            raw["betas"] = tuple(raw["betas"])
+        raw["vision_pretrain"] = VisionPretrain(**raw.get("vision_pretrain", {}))
+        unknown_forms = set(raw.get("forms", {})) - set(FORMS)
+        if unknown_forms:
+            raise ValueError(f"{path}: unknown question forms {sorted(unknown_forms)}")
+        return cls(**raw)
+
