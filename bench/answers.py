@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltas_ros.core.chunks import DEFAULT_PIXEL_BUDGET
+from deltas_ros.core.config import DEFAULT_PIXEL_BUDGET
 from deltas_ros.core.loader import (
     LoadedModel,
     load_model,

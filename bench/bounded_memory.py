@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltas_ros.core.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
+from deltas_ros.core.chunks import ChunkBuilder
+from deltas_ros.core.config import DEFAULT_PIXEL_BUDGET
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.training.synth import synth_stream
 

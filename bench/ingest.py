@@ -60,7 +60,8 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CompressedImage, Image
 
-from deltas_ros.core.chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
+from deltas_ros.core.chunks import ChunkBuilder
+from deltas_ros.core.config import DEFAULT_PIXEL_BUDGET
 from deltas_ros.core.decode import decode_message, message_stamp
 from deltas_ros.core.frames import FrameGate, FrameSampler
 from deltas_ros.core.maker import make_tokenizer, tiny_config

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
-DEFAULT_PIXEL_BUDGET = 320 * 320
+from .config import DEFAULT_PIXEL_BUDGET
 
 
 @dataclass

@@ -1,15 +1,18 @@
-"""What a streaming memory holds and accepts: its configuration, the question rules, its errors."""
+"""Every default in one place: how a camera stream becomes chunks (StreamConfig) and what the
+memory holds and how it chooses (MemoryConfig); the question rules and the memory's errors.
+
+The node's parameter table, the command line, offline runs, training, the policies' signatures
+and config/deltas.yaml take their defaults from here (test_defaults.py changes one and watches it
+spread). Plain Python, no torch: the frame gate and the command line read it cheaply.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NoReturn
 
-import torch
-
-from .chunks import DEFAULT_PIXEL_BUDGET
-from .policy import make_policy
+# Pixels per frame after resizing (aspect kept): 320x320 gives ~100 tokens per 2-frame chunk.
+DEFAULT_PIXEL_BUDGET = 320 * 320
 
 
 class ChunkFailed(RuntimeError):
@@ -18,6 +21,28 @@ class ChunkFailed(RuntimeError):
 
 class QuestionFailed(RuntimeError):
     """A question could not be answered; the memory was left as it was before it."""
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How camera frames become chunks (defaults: the paper's 2 fps, 1-second chunks).
+
+    fps, frames_per_chunk: frames sampled per second of stream time (by header stamp), and per
+    chunk (pairs: the model's temporal patch is 2 frames).
+    max_gap_s: a forward stamp jump larger than this starts a new segment (memory kept).
+    tolerance_s: how early a frame may come and still fill its sampling slot (stamp jitter).
+    timeline_confirm_s: arrival seconds a new timeline must last before it is followed.
+    queue_chunks: chunks waiting for the model at most (the oldest are dropped beyond it).
+    pose_max_gap_s: a chunk's pose is unknown when the nearest pose is farther from its stamp.
+    """
+
+    fps: float = 2.0
+    frames_per_chunk: int = 2
+    max_gap_s: float = 10.0
+    tolerance_s: float = 0.005
+    timeline_confirm_s: float = 1.0
+    queue_chunks: int = 8
+    pose_max_gap_s: float = 0.5
 
 
 @dataclass
@@ -75,7 +100,10 @@ class MemoryConfig:
             raise ValueError("evidence_chunks must be >= 1 and evidence_candidates >= 0")
         if not (math.isfinite(self.max_question_s) and self.max_question_s > 0):
             raise ValueError(f"max_question_s must be > 0, got {self.max_question_s}")
+        from .policy import make_policy  # torch: only once a memory is configured
+
         make_policy(self.policy, self.seed)  # raises for unknown names
+
 
 
 def question_problem(question: str, max_chars: int | None = None, wire: bool = False) -> str:
@@ -94,15 +122,3 @@ def question_problem(question: str, max_chars: int | None = None, wire: bool = F
         return ("the question contains U+FFFD: it was not valid UTF-8 when sent (or carried a "
                 "replacement character)")
     return ""
-
-
-def raise_rolled_back(kind: type[RuntimeError], what: str, failure: BaseException,
-                      device: torch.device) -> NoReturn:
-    """Raise `kind` for a failure the memory was rolled back from; call it outside the except
-    block, so the failed forward's tensors are gone (and CUDA's cache can be emptied)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    if not isinstance(failure, Exception):  # KeyboardInterrupt, SystemExit: not ours to wrap
-        raise failure
-    raise kind(f"{what} failed and was rolled back: {type(failure).__name__}: {failure}"
-               ) from failure

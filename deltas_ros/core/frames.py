@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .config import StreamConfig
 from .decode import FrameError, check_frame_size
 
 
@@ -66,10 +67,9 @@ class TimeEvent(enum.Enum):
     GAP = "gap"  # later than the clock by more than max_gap_s
 
 
-# A new timeline is confirmed by CONFIRM_S of arrival time and at least CONFIRM_FRAMES frames
-# (module docstring, rule 3). CONFIRM_S is the node's `timeline_confirm_s` default.
+# A new timeline is confirmed by `timeline_confirm_s` of arrival time and at least
+# CONFIRM_FRAMES frames (module docstring, rule 3).
 CONFIRM_FRAMES = 3
-CONFIRM_S = 1.0
 # Held evidence frames, in chunks: a replay at up to 4x real time keeps its new pass whole.
 EVIDENCE_CHUNKS = 4
 
@@ -118,11 +118,11 @@ class FrameSampler:
 
     def __init__(
         self,
-        fps: float = 2.0,
-        frames_per_chunk: int = 2,
-        max_gap_s: float = 10.0,
-        tolerance_s: float = 0.005,
-        confirm_s: float = CONFIRM_S,
+        fps: float = StreamConfig.fps,
+        frames_per_chunk: int = StreamConfig.frames_per_chunk,
+        max_gap_s: float = StreamConfig.max_gap_s,
+        tolerance_s: float = StreamConfig.tolerance_s,
+        confirm_s: float = StreamConfig.timeline_confirm_s,
         confirm_frames: int = CONFIRM_FRAMES,
     ) -> None:
         if not fps > 0:

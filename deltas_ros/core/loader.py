@@ -23,7 +23,7 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
-from .chunks import DEFAULT_PIXEL_BUDGET
+from .config import DEFAULT_PIXEL_BUDGET
 from .kernels import select_gated_delta_kernels
 
 # The model shipped with the package (README "The shipped model"): used wherever a model path is

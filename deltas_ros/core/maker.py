@@ -23,7 +23,7 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
-from .chunks import DEFAULT_PIXEL_BUDGET
+from .config import DEFAULT_PIXEL_BUDGET
 from .kernels import linear_attention_modules
 from .loader import read_config
 

@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -36,7 +36,6 @@ from .config import (
     MemoryConfig,
     QuestionFailed,
     question_problem,
-    raise_rolled_back,
 )
 from .loader import LoadedModel, stop_token_ids
 from .policy import ChunkSignals, make_policy, select_keep, select_runs
@@ -332,3 +331,15 @@ class StreamingMemory:
             max_positions=self.max_positions, span_start=span_start, span_end=span_end,
             retained_chunks=self.slots.retained_chunks(), compactions=self.compactions,
         )
+
+
+def raise_rolled_back(kind: type[RuntimeError], what: str, failure: BaseException,
+                      device: torch.device) -> NoReturn:
+    """Raise `kind` for a failure the memory was rolled back from; call it outside the except
+    block, so the failed forward's tensors are gone (and CUDA's cache can be emptied)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not isinstance(failure, Exception):  # KeyboardInterrupt, SystemExit: not ours to wrap
+        raise failure
+    raise kind(f"{what} failed and was rolled back: {type(failure).__name__}: {failure}"
+               ) from failure

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from .branches import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
-from .chunks import DEFAULT_PIXEL_BUDGET, ChunkBuilder
-from .config import MemoryConfig
+from .chunks import ChunkBuilder
+from .config import DEFAULT_PIXEL_BUDGET, MemoryConfig, StreamConfig
 from .kv_slots import EVIDENCE_SLICE_ELEMENTS
 from .loader import Qwen3_5Config, parameter_count, read_config, resolve_device, resolve_dtype
 
@@ -55,14 +55,14 @@ class PlanInputs:
     """What the node is asked to run: M, the pixel budget, the camera's frame size, the
     sampling, and the question and evidence sizes (defaults: the node's)."""
 
-    budget_tokens: int = 8192
+    budget_tokens: int = MemoryConfig.budget_tokens
     pixel_budget: int = DEFAULT_PIXEL_BUDGET
     frame: tuple[int, int] = DEFAULT_FRAME
-    fps: float = 2.0
-    frames_per_chunk: int = 2
+    fps: float = StreamConfig.fps
+    frames_per_chunk: int = StreamConfig.frames_per_chunk
     question_tokens: int = QUESTION_TOKENS
-    answer_tokens: int = 64
-    evidence_candidates: int = 32
+    answer_tokens: int = MemoryConfig.max_new_tokens
+    evidence_candidates: int = MemoryConfig.evidence_candidates
 
 
 @dataclass(frozen=True)
@@ -343,7 +343,8 @@ def plan_for_path(path: str | Path, inputs: PlanInputs, device: torch.device,
 
 
 def require_fit(path: str | Path, config: MemoryConfig, device: str, dtype: str,
-                fps: float = 2.0, frames_per_chunk: int = 2) -> Plan:
+                fps: float = StreamConfig.fps,
+                frames_per_chunk: int = StreamConfig.frames_per_chunk) -> Plan:
     """The plan of the model at `path` with the memory `config` on `device` ("auto", "cpu",
     "cuda:N") in `dtype` ("auto", ...), or RuntimeError with its figures when its peak exceeds
     what the device has left: the node refuses such a configuration before loading anything,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .config import MemoryConfig
+
 POLICY_NAMES = ("deltas", "recency", "uniform", "random", "value_norm", "key_norm",
                 "write_strength")
 
@@ -31,9 +33,9 @@ def select_keep(
     times: torch.Tensor | np.ndarray,
     scores: torch.Tensor | np.ndarray,
     budget: int,
-    sinks: int = 4,
-    window: int = 1024,
-    buckets: int = 4,
+    sinks: int = MemoryConfig.sink_tokens,
+    window: int = MemoryConfig.window_tokens,
+    buckets: int = MemoryConfig.buckets,
 ) -> torch.LongTensor:
     """Sorted cache-slot indices to keep: exactly min(T, budget) of them.
 
@@ -83,9 +85,9 @@ def select_keep(
 def select_runs(
     runs: Sequence[tuple[int, float, float]],
     budget: int,
-    sinks: int = 4,
-    window: int = 1024,
-    buckets: int = 4,
+    sinks: int = MemoryConfig.sink_tokens,
+    window: int = MemoryConfig.window_tokens,
+    buckets: int = MemoryConfig.buckets,
 ) -> list[list[int]]:
     """`select_keep` on runs of slots: per run, how many of its first and last slots to keep.
 

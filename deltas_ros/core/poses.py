@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .config import StreamConfig
+
 MAX_FRAME_ID = 256  # characters of a frame id kept with a pose
 # Farthest position accepted, in metres from the frame's origin: ten times Earth's radius, so
 # ECEF and UTM coordinates pass, and 1e308 (whose interpolation overflows) does not.
@@ -94,7 +96,8 @@ class PoseBuffer:
     """The last `capacity` poses by stamp (seconds); out-of-order poses are inserted in place,
     the oldest dropped first. Not thread-safe: the node guards it with its lock."""
 
-    def __init__(self, capacity: int = 2000, max_gap_s: float = 0.5) -> None:
+    def __init__(self, capacity: int = 2000,
+                 max_gap_s: float = StreamConfig.pose_max_gap_s) -> None:
         if capacity < 2 or not max_gap_s > 0:
             raise ValueError("a pose buffer needs capacity >= 2 and max_gap_s > 0")
         self.capacity, self.max_gap_s = capacity, max_gap_s

@@ -26,6 +26,7 @@ import torch
 
 from .asking import text_positions
 from .backend import Backend
+from .config import MemoryConfig
 from .drift import check_states, drift_ratio
 from .kv_slots import fill_slots, gather_slots
 from .policy import check_limits, select_keep
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 
 def select_keep_reference(
     times: Sequence[float], scores: Sequence[float], budget: int,
-    sinks: int = 4, window: int = 1024, buckets: int = 4,
+    sinks: int = MemoryConfig.sink_tokens, window: int = MemoryConfig.window_tokens,
+    buckets: int = MemoryConfig.buckets,
 ) -> list[int]:
     """`policy.select_keep` as loops over slots: buckets as lists, each ranked by sort."""
     total = len(times)

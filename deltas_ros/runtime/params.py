@@ -1,6 +1,7 @@
 """The node's parameters in one table: defaults, descriptions, ranges, and their validation.
 
-The node declares every parameter from this table, config/deltas.yaml lists the same defaults
+The node declares every parameter from this table; the defaults it shares with the engine come
+from core/config.py (MemoryConfig, StreamConfig), config/deltas.yaml lists the same values
 (test_params.py checks it), and `validate` refuses bad values with a reason a user can act on.
 No rclpy here, so the rules are tested without a ROS graph.
 """
@@ -10,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.config import MemoryConfig, StreamConfig
 from ..core.loader import resolve_model_path, resolve_pixel_budget
-from ..core.memory import MemoryConfig
 from ..core.policy import POLICY_NAMES
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -41,9 +42,10 @@ PARAMS: tuple[Param, ...] = (
     Param("reliable_qos", False,
           "true: always subscribe reliable. false: follow the camera's publisher (reliable if "
           "it is, else best effort as REP 2003 sensor data; best effort until one appears)"),
-    Param("fps", 2.0, "Frames sampled per second of stream time (by header stamp)",
+    Param("fps", StreamConfig.fps,
+          "Frames sampled per second of stream time (by header stamp)",
           low=0.1, high=30.0),
-    Param("frames_per_chunk", 2,
+    Param("frames_per_chunk", StreamConfig.frames_per_chunk,
           "Sampled frames per chunk (a multiple of the model's temporal patch, 2)",
           low=2, high=16),
     Param("pixel_budget", 0,
@@ -59,38 +61,44 @@ PARAMS: tuple[Param, ...] = (
     Param("device", "auto", "auto (CUDA if available), cpu, cuda or cuda:N"),
     Param("dtype", "auto", "auto (bf16 on CUDA, float32 on CPU), float32, bfloat16, float16",
           choices=DTYPES),
-    Param("budget_tokens", 8192, "KV cache budget M in tokens per full-attention layer",
+    Param("budget_tokens", MemoryConfig.budget_tokens,
+          "KV cache budget M in tokens per full-attention layer",
           low=1, high=10_000_000),
-    Param("sink_tokens", 4, "Attention-sink tokens always kept (stream start)", low=0,
+    Param("sink_tokens", MemoryConfig.sink_tokens,
+          "Attention-sink tokens always kept (stream start)", low=0,
           high=4096),
-    Param("window_tokens", 1024, "Most recent tokens always kept", low=0, high=1_000_000),
-    Param("buckets", 4, "Equal stream-time spans sharing the rest of the budget", low=1,
+    Param("window_tokens", MemoryConfig.window_tokens, "Most recent tokens always kept", low=0,
+          high=1_000_000),
+    Param("buckets", MemoryConfig.buckets,
+          "Equal stream-time spans sharing the rest of the budget", low=1,
           high=64),
-    Param("policy", "deltas", "Retention signal: " + ", ".join(POLICY_NAMES),
+    Param("policy", MemoryConfig.policy, "Retention signal: " + ", ".join(POLICY_NAMES),
           choices=POLICY_NAMES),
-    Param("seed", 0, "Seed of the random policy", low=0, high=2**31 - 1),
-    Param("max_new_tokens", 64, "Longest answer in tokens (a request may ask for fewer)",
+    Param("seed", MemoryConfig.seed, "Seed of the random policy", low=0, high=2**31 - 1),
+    Param("max_new_tokens", MemoryConfig.max_new_tokens,
+          "Longest answer in tokens (a request may ask for fewer)",
           read_only=False, low=1, high=4096),
-    Param("thinking", False,
+    Param("thinking", MemoryConfig.thinking,
           "Let the model reason before it answers (the chat template's enable_thinking); the "
           "reasoning is returned apart from the answer, max_new_tokens bounds both"),
-    Param("evidence_chunks", 3, "Chunks reported as an answer's evidence", low=1, high=64),
-    Param("evidence_candidates", 32,
+    Param("evidence_chunks", MemoryConfig.evidence_chunks,
+          "Chunks reported as an answer's evidence", low=1, high=64),
+    Param("evidence_candidates", MemoryConfig.evidence_candidates,
           "Chunks the answer attended to most that are each left out once to find the ones it "
           "needs (one forward each; 0: attention mass only)", low=0, high=1024),
-    Param("queue_chunks", 8,
+    Param("queue_chunks", StreamConfig.queue_chunks,
           "Chunks waiting for the model at most; beyond it the oldest are dropped and counted",
           low=1, high=1000),
-    Param("max_gap_s", 10.0,
+    Param("max_gap_s", StreamConfig.max_gap_s,
           "A forward stamp jump larger than this starts a new segment (memory kept)",
           low=0.5, high=86_400.0),
-    Param("timeline_confirm_s", 1.0,
+    Param("timeline_confirm_s", StreamConfig.timeline_confirm_s,
           "Arrival seconds a new camera timeline (stamps jumped back, or forward past max_gap_s) "
           "must keep coming, with no frame on the current one, before it is followed",
           low=0.1, high=60.0),
     Param("max_question_chars", 2000, "Longest question accepted", read_only=False, low=1,
           high=100_000),
-    Param("max_question_s", 60.0,
+    Param("max_question_s", MemoryConfig.max_question_s,
           "Longest a question may hold the model; then the answer so far, marked truncated",
           low=0.1, high=3600.0),
     Param("ask_timeout_s", 120.0, "How long a question may wait for the worker",
@@ -114,7 +122,7 @@ PARAMS: tuple[Param, ...] = (
           "Robot pose input tagging each chunk with where it was seen (empty: none)"),
     Param("pose_type", "odometry", "Message type on pose_topic",
           choices=("odometry", "pose_stamped", "pose_with_covariance")),
-    Param("pose_max_gap_s", 0.5,
+    Param("pose_max_gap_s", StreamConfig.pose_max_gap_s,
           "A chunk's pose is unknown when the nearest pose is farther than this from its stamp",
           low=0.001, high=60.0),
     Param("memory_image_thumbnails", 24,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.config import StreamConfig
 from ..core.frames import SampledChunk
 from ..core.memory import Answer, ChunkResult, StreamingMemory
 from ..core.poses import Pose
@@ -107,7 +108,7 @@ class MemoryWorker:
         self,
         memory: StreamingMemory,
         on_chunk: Callable[[SampledChunk, ChunkResult], None],
-        queue_chunks: int = 8,
+        queue_chunks: int = StreamConfig.queue_chunks,
         poll_s: float = 0.2,
         pose_at: Callable[[float], Pose | None] | None = None,
     ) -> None:

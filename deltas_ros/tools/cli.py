@@ -28,6 +28,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..core.config import MemoryConfig, StreamConfig
+
 
 def make_model_command(args: argparse.Namespace) -> int:
     """Write a random-init Qwen3.5 (weights, tokenizer, processor) that loads like real weights."""
@@ -117,7 +119,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..core.chunks import DEFAULT_PIXEL_BUDGET
+    from ..core.config import DEFAULT_PIXEL_BUDGET
     from ..core.loader import (
         resolve_device,
         resolve_dtype,
@@ -252,23 +254,30 @@ def build_parser() -> argparse.ArgumentParser:
                                       "scene model)")
     run.add_argument("--out", default="results.jsonl",
                      help="results file: JSON lines, or CSV when it ends in .csv")
-    run.add_argument("--policy", default="deltas",
-                     help="retention signal (deltas, recency, uniform, random, ...)")
-    run.add_argument("--budget", type=int, default=8192, help="KV cache budget M in tokens")
-    run.add_argument("--window", type=int, default=1024, help="recent tokens always kept")
-    run.add_argument("--sinks", type=int, default=4, help="attention-sink tokens always kept")
-    run.add_argument("--buckets", type=int, default=4, help="temporal buckets")
+    run.add_argument("--policy", default=MemoryConfig.policy,
+                     help="retention signal (deltas, recency, uniform, random, ...; "
+                          "default: %(default)s)")
+    run.add_argument("--budget", type=int, default=MemoryConfig.budget_tokens,
+                     help="KV cache budget M in tokens (default: %(default)s)")
+    run.add_argument("--window", type=int, default=MemoryConfig.window_tokens,
+                     help="recent tokens always kept (default: %(default)s)")
+    run.add_argument("--sinks", type=int, default=MemoryConfig.sink_tokens,
+                     help="attention-sink tokens always kept (default: %(default)s)")
+    run.add_argument("--buckets", type=int, default=MemoryConfig.buckets,
+                     help="temporal buckets (default: %(default)s)")
     run.add_argument("--pixel-budget", type=int,
                      help="pixels per frame after resizing (default: the model's stored "
                           "budget, else 320x320; as the node)")
-    run.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
+    run.add_argument("--fps", type=float, default=StreamConfig.fps,
+                     help="frames sampled per second (default: %(default)s)")
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     run.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                           "float16"])
     run.add_argument("--topic", help="a bag's image topic (default: its only one)")
     run.add_argument("--ask", action="append", metavar="QUESTION",
                      help="ask at the end of the stream (repeatable)")
-    run.add_argument("--max-new-tokens", type=int, default=64, help="longest answer in tokens")
+    run.add_argument("--max-new-tokens", type=int, default=MemoryConfig.max_new_tokens,
+                     help="longest answer in tokens (default: %(default)s)")
     run.add_argument("--thinking", action="store_true",
                      help="let the model reason first (the reasoning is printed apart)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -282,17 +291,23 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--config", action="extend", nargs="+",
                         help="Qwen3.5 config.json-style files, e.g. "
                              "config/models/qwen3_5_9b.json")
-    plan.add_argument("--budget", type=int, nargs="+", default=[8192],
-                      help="KV cache budget M in tokens (several: one plan each)")
+    plan.add_argument("--budget", type=int, nargs="+", default=[MemoryConfig.budget_tokens],
+                      help="KV cache budget M in tokens (several: one plan each; default: "
+                           "%(default)s)")
     plan.add_argument("--pixel-budget", type=int,
                       help="pixels per frame after resizing (default: the model's stored "
                            "budget, else 320x320; as the node)")
     plan.add_argument("--frame", default="640x480", help="camera frame size, WIDTHxHEIGHT")
-    plan.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
-    plan.add_argument("--frames-per-chunk", type=int, default=2)
-    plan.add_argument("--max-new-tokens", type=int, default=64, help="longest answer")
-    plan.add_argument("--evidence-candidates", type=int, default=32,
-                      help="chunks left out once each to find an answer's evidence (0: none)")
+    plan.add_argument("--fps", type=float, default=StreamConfig.fps,
+                      help="frames sampled per second (default: %(default)s)")
+    plan.add_argument("--frames-per-chunk", type=int, default=StreamConfig.frames_per_chunk,
+                      help="default: %(default)s")
+    plan.add_argument("--max-new-tokens", type=int, default=MemoryConfig.max_new_tokens,
+                      help="longest answer (default: %(default)s)")
+    plan.add_argument("--evidence-candidates", type=int,
+                      default=MemoryConfig.evidence_candidates,
+                      help="chunks left out once each to find an answer's evidence (0: none; "
+                           "default: %(default)s)")
     plan.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     plan.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                            "float16"])

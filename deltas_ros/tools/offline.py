@@ -33,6 +33,7 @@ from rosbags.rosbag2 import Reader
 from tqdm import tqdm
 
 from ..core.bag import image_topics, load_events, read_images
+from ..core.config import StreamConfig
 from ..core.decode import FrameError, decode_message, message_stamp
 from ..core.frames import FrameGate, FrameSampler, SampledChunk, TimeEvent
 
@@ -209,9 +210,9 @@ class RunSummary:
 def run_stream(
     memory: StreamingMemory,
     source: Iterable[Frame],
-    fps: float = 2.0,
-    frames_per_chunk: int = 2,
-    max_gap_s: float = 10.0,
+    fps: float = StreamConfig.fps,
+    frames_per_chunk: int = StreamConfig.frames_per_chunk,
+    max_gap_s: float = StreamConfig.max_gap_s,
     on_chunk: Callable[[ChunkRecord], None] | None = None,
 ) -> RunSummary:
     """Feed frames to the memory exactly as the node does, as fast as the model goes."""
@@ -270,9 +271,9 @@ def run_file(
     out: str | Path,
     questions: Sequence[str] = (),
     max_new_tokens: int | None = None,
-    fps: float = 2.0,
-    frames_per_chunk: int = 2,
-    max_gap_s: float = 10.0,
+    fps: float = StreamConfig.fps,
+    frames_per_chunk: int = StreamConfig.frames_per_chunk,
+    max_gap_s: float = StreamConfig.max_gap_s,
     progress: bool = False,
 ) -> tuple[RunSummary, list[AskedQuestion]]:
     """Run a source through the memory, ask the questions at its end, and write the results."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.config import StreamConfig
 from .palette import COLOURS, SHAPES
 
 FORMS = ("colour", "shape", "seen", "appeared", "when", "count")
@@ -80,7 +81,7 @@ def identities_of(events: list[dict]) -> list[dict]:
     return list(first.values())
 
 
-def appear_second(event: dict, fps: float = 2.0) -> int:
+def appear_second(event: dict, fps: float = StreamConfig.fps) -> int:
     """Whole stream second of the first sampled frame showing the object: the integer part of
     the time text of the first chunk it is in (frames are sampled at k / fps)."""
     first = np.ceil(event["time"] * fps - 1e-9) / fps

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from ..core.chunks import ChunkBuilder
+from ..core.config import StreamConfig
 from ..core.prompt import ChatLayout
 from .cache import repeat_cache
 from .config import TrainConfig
@@ -19,8 +20,8 @@ from .palette import COLOURS, SHAPES
 from .questions import QA, sample_questions
 from .scenes import SceneOptions, SceneStream
 
-FPS = 2.0
-FRAMES_PER_CHUNK = 2
+FPS = StreamConfig.fps  # as the node samples a camera
+FRAMES_PER_CHUNK = StreamConfig.frames_per_chunk
 # Stream seeds: training draws from TRAIN_SEEDS on, validation from VALIDATION_SEEDS on;
 # evaluation uses seeds below VALIDATION_SEEDS, never seen in training or model selection.
 VALIDATION_SEEDS = 500_000
