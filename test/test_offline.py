@@ -26,7 +26,7 @@ from deltas_ros.core.decode import FrameError
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.ros.replay import replay_bag
 from deltas_ros.tools import cli
-from deltas_ros.tools.offline import iter_video_frames, read_results, run_stream
+from deltas_ros.tools.offline import open_source, read_results, run_stream
 from deltas_ros.training.synth import synth_stream, write_synth_bag
 
 TOPIC = "/camera/image_raw"
@@ -150,10 +150,10 @@ def test_run_on_a_video_file(tiny_model_dir, tmp_path, monkeypatch, caplog):
     assert [c["chunk_index"] for c in results.chunks] == [0, 1, 2]
     assert [c["stamp"] for c in results.chunks] == pytest.approx([0.5, 1.5, 2.5])
     assert results.summary["frames"] == 30 and results.summary["sampled"] == 6
-    assert [t for t, _ in iter_video_frames(video)] == pytest.approx([i / 10 for i in range(30)])
+    assert [t for t, _ in open_source(video).frames] == pytest.approx([i / 10 for i in range(30)])
 
     monkeypatch.setattr(cv2, "VideoCapture", NoFrameRate)
-    assert [t for t, _ in iter_video_frames(video)] == pytest.approx([i / 30 for i in range(30)])
+    assert [t for t, _ in open_source(video).frames] == pytest.approx([i / 30 for i in range(30)])
     assert "reports no frame rate; assuming 30 fps" in caplog.text
 
 

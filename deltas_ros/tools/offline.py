@@ -88,16 +88,6 @@ def open_source(path: str | Path, topic: str | None = None) -> FrameSource:
                        total_frames=count if count > 0 else None)
 
 
-def iter_bag_frames(path: str | Path, topic: str | None = None) -> Iterator[Frame]:
-    """(header stamp, decoder) of each image on `topic` (default: the bag's only image topic)."""
-    return _bag_frames(path, _bag_topic(path, topic))
-
-
-def iter_video_frames(path: str | Path) -> Iterator[Frame]:
-    """(frame index / fps, decoder) of each video frame; only decoded frames are retrieved."""
-    return _video_frames(*_open_video(Path(path)))
-
-
 def _bag_topic(path: str | Path, topic: str | None) -> str:
     """The topic to read: the given one, or the bag's only image topic (like the node, one)."""
     if topic is not None:
