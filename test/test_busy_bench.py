@@ -1,4 +1,5 @@
-"""bench/busy.py: the questions it asks about a busy stream, and a smoke run."""
+"""bench/busy.py and bench/busy_retention.py: the questions they ask about a busy stream, where
+an object sits in it, and a smoke run of each."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import pytest
 import torch
 
-from bench import busy
+from bench import busy, busy_retention
 from deltas_ros.training.questions import identities_of
 
 
@@ -56,3 +57,24 @@ def test_busy_bench_runs(tmp_path):
     records = (tmp_path / "busy.jsonl").read_text().splitlines()
     assert all({"kind", "answer", "correct"} <= set(json.loads(r)) for r in records)
     assert "| seen: never shown |" in (tmp_path / "busy.md").read_text()
+
+
+def test_an_object_is_placed_where_it_was_last_in_view():
+    events = [{"kind": "object", "time": t, "end": t + 2, "shape": "circle", "colour": c}
+              for t, c in ((5, "red"), (50, "blue"), (95, "red"))]
+    where = busy_retention.position
+    assert where(events, "Did you see a red circle?", 120) == "late"  # back in view at 95 s
+    assert where(events, "Did you see a blue circle?", 120) == "middle"
+    assert where(events, "Did you see a green circle?", 120) == busy_retention.NEVER
+
+
+@pytest.mark.slow  # streams through the shipped model
+def test_busy_retention_bench_runs(tmp_path):
+    busy_retention.main(["--streams", "1", "--objects", "3", "--seconds", "12",
+                         "--fractions", "0.3", "--policies", "deltas", "recency",
+                         "--out", str(tmp_path)])
+    table = json.loads((tmp_path / "busy_retention.json").read_text())["table"]
+    assert set(table) == {"full", "state", "deltas@0.3", "recency@0.3"}
+    assert all(set(per) == {"12"} and "all" in per["12"] for per in table.values())
+    report = (tmp_path / "busy_retention.md").read_text()
+    assert "| condition | early | middle | late | never shown |" in report
