@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .poses import Pose
-from .slots import SlotTable
+
+if TYPE_CHECKING:  # plain data: offline runs read and write these without torch
+    import torch
+
+    from .frames import SampledChunk
+    from .slots import SlotTable
 
 
 @dataclass
@@ -27,6 +31,32 @@ class ChunkResult:
     stamp: float | None = None
     positions_freed: int = 0  # by a position compaction just before this chunk
     pose: Pose | None = None  # the robot's pose at `stamp`, when known
+
+
+@dataclass
+class ChunkRecord:
+    """One processed chunk as the stream reports it: the fields the node publishes on ~/drift
+    (DriftScore) and offline runs write, one per line."""
+
+    chunk_index: int  # the sampler's index, as the node publishes it
+    stream_time: float
+    stamp: float  # header stamp of the chunk's last frame
+    drift: float
+    layer_drift: list[float]
+    chunk_tokens: int
+    kv_tokens: int
+    evicted_tokens: int
+    forward_ms: float
+    signal_ms: float
+    evict_ms: float
+
+    @classmethod
+    def from_result(cls, chunk: SampledChunk, result: ChunkResult) -> ChunkRecord:
+        """The record of `result`, numbered and stamped by the sampler's `chunk`."""
+        return cls(chunk.index, result.time, chunk.stamps[-1], result.drift,
+                   [float(x) for x in result.layer_drift], result.chunk_tokens,
+                   result.kv_tokens, result.evicted_tokens, result.forward_ms,
+                   result.signal_ms, result.evict_ms)
 
 
 @dataclass

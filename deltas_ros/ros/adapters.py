@@ -9,6 +9,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from builtin_interfaces.msg import Time
@@ -34,8 +35,8 @@ from rclpy.serialization import deserialize_message
 from std_msgs.msg import Header
 
 from ..core.decode import FrameError
-from ..core.frames import GateOutcome, SampledChunk, TimeEvent
-from ..core.memory import ChunkResult
+from ..core.frames import GateOutcome, TimeEvent
+from ..core.results import ChunkRecord
 from ..msg import DriftScore
 from ..runtime import params
 
@@ -130,14 +131,12 @@ def declare_parameters(node: Node) -> dict[str, Any]:
     return {p.name: node.get_parameter(p.name).value for p in params.PARAMS}
 
 
-def drift_message(chunk: SampledChunk, result: ChunkResult, frame_id: str) -> DriftScore:
-    """One chunk's DriftScore; its pose (ros_memory.pose_stamped) is set by the caller."""
-    msg = DriftScore(chunk_index=chunk.index, stream_time=result.time, drift=result.drift,
-                     layer_drift=[float(x) for x in result.layer_drift],
-                     chunk_tokens=result.chunk_tokens, kv_tokens=result.kv_tokens,
-                     evicted_tokens=result.evicted_tokens, forward_ms=result.forward_ms,
-                     signal_ms=result.signal_ms, evict_ms=result.evict_ms)
-    msg.header.stamp = to_time_msg(chunk.stamps[-1])
+def drift_message(record: ChunkRecord, frame_id: str) -> DriftScore:
+    """One chunk's DriftScore, field for field its record; its pose (memory_io.pose_stamped)
+    is set by the caller."""
+    fields = asdict(record)
+    msg = DriftScore(**{name: value for name, value in fields.items() if name != "stamp"})
+    msg.header.stamp = to_time_msg(record.stamp)
     msg.header.frame_id = frame_id
     return msg
 

@@ -34,6 +34,7 @@ from rclpy.lifecycle import LifecycleNodeMixin
 from rclpy.node import Node
 
 from ..core.decode import decode_message
+from ..core.results import ChunkRecord
 from ..msg import DriftScore
 from ..runtime import params
 from ..runtime.health import Level, loading_health
@@ -162,7 +163,7 @@ class MemoryNode(MemoryLifecycle, LifecycleNodeMixin, Node):
     def _publish_chunk(self, chunk, result, held: list[int]) -> None:
         """Worker thread, after the session recorded the chunk: its drift and the memory
         image (`held`: the chunks the memory retains)."""
-        msg = drift_message(chunk, result, self.session.frame_id)
+        msg = drift_message(ChunkRecord.from_result(chunk, result), self.session.frame_id)
         msg.pose = pose_stamped(result.pose, result.stamp)
         self.drift_pub.publish(msg)  # after Ctrl-C this raises; the worker counts it and goes on
         self.memory_image.chunk_done(result, chunk.frames[-1], held, msg.header.frame_id)

@@ -35,10 +35,11 @@ from tqdm import tqdm
 from ..core.bag import image_topics, load_events, read_images
 from ..core.config import StreamConfig
 from ..core.decode import FrameError, decode_message, message_stamp
-from ..core.frames import FrameGate, FrameSampler, SampledChunk, TimeEvent
+from ..core.frames import FrameGate, FrameSampler, TimeEvent
+from ..core.results import ChunkRecord
 
 if TYPE_CHECKING:  # the memory (torch, the model) is not needed to read or plot results
-    from ..core.memory import ChunkResult, StreamingMemory
+    from ..core.memory import StreamingMemory
 
 log = logging.getLogger(__name__)
 
@@ -149,30 +150,6 @@ def _video_frames(capture: cv2.VideoCapture, fps: float) -> Iterator[Frame]:
 
 
 # ----------------------------------------------------------------------------- running
-@dataclass
-class ChunkRecord:
-    """One processed chunk, with the fields the node publishes as DriftScore."""
-
-    chunk_index: int  # the sampler's index, as the node publishes it
-    stream_time: float
-    stamp: float  # header stamp of the chunk's last frame
-    drift: float
-    layer_drift: list[float]
-    chunk_tokens: int
-    kv_tokens: int
-    evicted_tokens: int
-    forward_ms: float
-    signal_ms: float
-    evict_ms: float
-
-    @classmethod
-    def from_result(cls, chunk: SampledChunk, result: ChunkResult) -> ChunkRecord:
-        return cls(chunk.index, result.time, chunk.stamps[-1], result.drift,
-                   [float(x) for x in result.layer_drift], result.chunk_tokens,
-                   result.kv_tokens, result.evicted_tokens, result.forward_ms,
-                   result.signal_ms, result.evict_ms)
-
-
 CHUNK_FIELDS = tuple(f.name for f in fields(ChunkRecord))
 INT_FIELDS = {"chunk_index", "chunk_tokens", "kv_tokens", "evicted_tokens"}
 
