@@ -1,7 +1,9 @@
-"""The shipped scene model answers from the memory: right about a held-out stream, and no longer
-right once the chunks showing the object are forced out of the cache."""
+"""The shipped scene model answers from the memory: right about a held-out stream (sparse or
+busy), and no longer right once the chunks showing the object are forced out of the cache."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,15 +12,16 @@ from deltas_ros.core.loader import SHIPPED_MODEL, load_model, resolve_pixel_budg
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import ChunkSignals, RetentionPolicy
 from deltas_ros.tools.cli import main
-from deltas_ros.training.questions import QA, answer_for, is_correct, objects_of
+from deltas_ros.training.questions import QA, answer_for, identities_of, is_correct, objects_of
 from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
-from deltas_ros.training.scenes import SceneOptions, SceneStream
+from deltas_ros.training.scenes import BUSY, SceneOptions, SceneStream
 from deltas_ros.training.synth import write_synth_bag
 
 # Held-out streams (seeds below VALIDATION_SEEDS never reach training or model selection),
 # picked among those the shipped model answers right, with a circle in view early on.
 STREAM_SEED = 0
 BAG_SEED = 1
+BUSY_SEED = 0
 OPTIONS = SceneOptions(objects=(1, 1))
 SECONDS = 12
 
@@ -82,6 +85,35 @@ def test_answer_comes_from_the_retained_chunks(shipped):
     assert set(evicted.stats().retained_chunks).isdisjoint(shown)
     answer = evicted.ask(question).text
     assert not is_correct(qa, answer), answer
+
+
+def test_a_busy_stream_is_remembered_until_the_object_is_forced_out(shipped):
+    """Four objects of the busy world in 30 s: "did you see" the first one is answered yes with
+    full memory and no once the chunks showing it are evicted (the rest all kept)."""
+    scene = SceneStream(30, 128, 96, BUSY_SEED, replace(BUSY, objects=(4, 4), reappear=0.0))
+    events = scene.events()
+    target = identities_of(events)[0]
+    chunks = sampled_chunks(scene)
+    shown = {k for k, (_, times) in enumerate(chunks)
+             if any(target["time"] <= t < target["end"] for t in times)}
+    assert max(shown) < len(chunks) // 2  # early in the stream
+    question = f"Did you see a {target['colour']} {target['shape']}?"
+    qa = QA("seen", question, answer_for("seen", events, colour=target["colour"],
+                                         shape=target["shape"]))
+
+    full = _memory(shipped, 10**6)
+    for frames, times in chunks:
+        full.add_chunk(frames, times)
+    reply = full.ask(question).text
+    assert is_correct(qa, reply) and reply.endswith("yes"), reply
+
+    shown_tokens = int(sum((full.slots.chunk == k).sum() for k in shown))
+    evicted = _memory(shipped, full.kv_tokens - shown_tokens, EvictChunks(shown))
+    for frames, times in chunks:
+        evicted.add_chunk(frames, times)
+    assert set(evicted.stats().retained_chunks).isdisjoint(shown)
+    answer = evicted.ask(question).text
+    assert not is_correct(qa, answer) and answer.endswith("no"), answer
 
 
 def test_run_answers_without_a_model_argument(tmp_path, capsys):
