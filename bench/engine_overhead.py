@@ -143,9 +143,9 @@ def run_policies(loaded: LoadedModel, chunks: Frames,
 
 
 def previous_signal(before: list[torch.Tensor], after: list[torch.Tensor]) -> list[float]:
-    """The signal as the engine computed it before issue 14 (kept here only to time it beside
-    the current one): per-layer clones taken by the caller, then three _foreach norms, a
-    torch.where for the first-chunk rule and one transfer."""
+    """The signal as the engine once computed it, from per-layer states (kept here only to time
+    it beside the stacked-buffer one): per-layer clones taken by the caller, then three
+    _foreach norms, a torch.where for the first-chunk rule and one transfer."""
     change = torch.stack(torch._foreach_norm(torch._foreach_sub(after, before)))
     reference = torch.stack(torch._foreach_norm(before))
     fresh = torch.stack(torch._foreach_norm(after))

@@ -35,8 +35,8 @@ reassembly, rmw's serialized take, rclpy's bytes), and a copy onto fresh pages c
 the copy itself.
 
 The "events" executor is rclpy's experimental EventsExecutor (C++, no Python wait set per
-frame) in place of "single": measured beside the others, not used by the node (README,
-Performance: an open rclpy bug crashes it when a subscription with event callbacks is
+frame) in place of "single": measured beside the others, not used by the node
+(docs/performance.md: an open rclpy bug crashes it when a subscription with event callbacks is
 destroyed, which the node's camera subscription does when it follows the camera's QoS).
 """
 

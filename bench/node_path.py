@@ -42,7 +42,7 @@ from .common import (
 )
 
 MAX_GROWTH = 0.05
-TARGETS_MS = {"signal": 0.2, "evict": 1.0}  # H200, 9B bf16, M = 8192 (issue 14)
+TARGETS_MS = {"signal": 0.2, "evict": 1.0}  # H200, 9B bf16, M = 8192
 QUESTION = "What was on the table a minute ago?"
 
 

@@ -1,4 +1,4 @@
-"""Check `deltas-ros plan` against the memory a CPU run really takes (README "Memory plan").
+"""Check `deltas-ros plan` against the memory a CPU run really takes (docs/robot.md).
 
     deltas-ros make-model --config config/models/qwen3_5_0_8b.json /tmp/q08
     OMP_NUM_THREADS=1 .venv/bin/python scripts/plan_check.py --model /tmp/q08 --budget 2048

@@ -1,4 +1,4 @@
-"""Which layer may import what (README "Architecture"), read from the source without importing.
+"""Which layer may import what (docs/architecture.md), read from the source without importing.
 
 The folders are the layers: `core` (the engine), `runtime` (the node's state without ROS),
 `ros` (the ROS 2 side), `tools` (the command line) and `training`. Imports run downward only:

@@ -225,7 +225,7 @@ def test_a_refused_question_changes_nothing(tiny_model):
 
 def test_a_question_of_2000_emoji_is_refused_by_its_tokens_before_anything_changes(
         tiny_model, monkeypatch):
-    """Issue 13: 2000 emoji pass the node's max_question_chars (2000) but needed 4.4 GB of eager
+    """2000 emoji pass the node's max_question_chars (2000) but needed 4.4 GB of eager
     attention on the real model. max_question_tokens (2048, default) refuses them with the
     count, before a snapshot or a compaction the answer would have needed; the next chunks'
     drift is bit-identical to a run that was never asked."""

@@ -1,5 +1,5 @@
 """Memory files only inside memory_dir; existing files replaced only when they are memory files;
-a key file only when nobody else can read it (issue 13, finding 2). No ROS, no model."""
+a key file only when nobody else can read it. No ROS, no model."""
 
 from __future__ import annotations
 

@@ -288,7 +288,7 @@ def file_client(tester: Tester, service: str):
 
 def test_attacks_over_dds_are_refused_and_leave_the_memory_bit_identical(raw_node, ros_domain,
                                                                         tmp_path):
-    """Issue 13 findings 2, 8, 11: saves outside memory_dir or over a file that is not a memory
+    """Saves outside memory_dir or over a file that is not a memory
     file, answers longer than the parameter's range, empty questions and a 1 MB frame_id are
     refused or bounded; the drift of the stream they hit equals a run without them."""
     tester, _ = raw_node

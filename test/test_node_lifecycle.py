@@ -1,4 +1,4 @@
-"""The managed node (issue 11 #1), driven from this process through the standard lifecycle_msgs
+"""The managed node, driven from this process through the standard lifecycle_msgs
 services as a lifecycle manager drives it: every transition; questions and camera only while
 active; the memory and its stream kept across deactivate/activate; the model and the memory
 freed by cleanup (RSS of the node's process); the autosave at shutdown."""

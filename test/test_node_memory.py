@@ -204,7 +204,7 @@ def test_memory_image_shows_the_retained_chunks(node):
     assert pixels[:THUMB_H].std() > 10  # thumbnails of the textured scenes, not blank
     target = Path(os.environ.get("DELTAS_MEMORY_IMAGE_PNG", "")) if os.environ.get(
         "DELTAS_MEMORY_IMAGE_PNG") else None
-    if target:  # README's screenshot: `DELTAS_MEMORY_IMAGE_PNG=docs/memory_image.png pytest ...`
+    if target:  # docs/node.md's picture: `DELTAS_MEMORY_IMAGE_PNG=docs/memory_image.png pytest`
         cv2.imwrite(str(target), cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR))
 
 

@@ -189,7 +189,7 @@ def test_a_failed_save_keeps_the_previous_file(tiny_model, tmp_path, monkeypatch
     assert [p.name for p in tmp_path.iterdir()] == ["memory.safetensors"]
 
 
-# ------------------------------------------------------------------ doctored files (issue 13)
+# ------------------------------------------------------------------ doctored files
 def resigned(change):
     """A doctoring that re-signs the checksum, as anyone who can write the file can."""
     return lambda source, target: rewrite(source, target, change, keep_checksum=False)

@@ -25,7 +25,7 @@ from deltas_ros.tools import cli
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 MIB = 2**20
-# Hand-computed from the published dimensions (README "Memory plan"): layers (linear, full),
+# Hand-computed from the published dimensions (docs/robot.md): layers (linear, full),
 # tied embeddings, parameters, KV bytes per token in bf16 (full layers x K,V x KV heads x
 # head_dim x 2 bytes) and recurrent state bytes (linear layers x value heads x 128 x 128 x 4).
 SIZES = {

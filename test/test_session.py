@@ -1,6 +1,6 @@
-"""The node's session without ROS (issue 12 #4; issue 13 findings 3, 4, 5, 8, 11): the stream
-record taken on the worker, reset/save/load atomic with the stream, autosave between chunks,
-refusals that are not failures, health rules. Tiny model on CPU; frames pushed at 2 fps."""
+"""The node's session without ROS: the stream record taken on the worker, reset/save/load
+atomic with the stream, autosave between chunks, refusals that are not failures, health rules.
+Tiny model on CPU; frames pushed at 2 fps."""
 
 from __future__ import annotations
 

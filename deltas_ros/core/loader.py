@@ -26,7 +26,7 @@ from transformers.utils import logging as transformers_logging
 from .config import DEFAULT_PIXEL_BUDGET
 from .kernels import select_gated_delta_kernels
 
-# The model shipped with the package (README "The shipped model"): used wherever a model path is
+# The model shipped with the package (docs/model.md): used wherever a model path is
 # optional and left empty. MODEL_INFO_FILE beside a model's weights records how it was trained.
 SHIPPED_MODEL = Path(__file__).parents[1] / "models" / "scenes-tiny"
 MODEL_INFO_FILE = "deltas_model.json"

@@ -236,7 +236,7 @@ class CameraSubscription:
     reliable: reliable, else best effort); the diagnostics timer calls `follow`, which also
     matches a publisher that appears later, and says once why a matched camera may deliver
     nothing. (A reliable camera's frames of ~0.9 MB and up never arrived over a best-effort
-    subscription with Fast DDS's default transports; README "Reliability".) A deep history: the
+    subscription with Fast DDS's default transports; docs/reliability.md.) A deep history: the
     callback is cheap, but it shares the interpreter with the model and may be late.
 
     The subscription lives on a node of its own, `<node>_camera` (same namespace, no parameter

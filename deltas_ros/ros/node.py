@@ -15,7 +15,7 @@ runtime/worker.py:
 executable.py is the executable around it. Threads: a MultiThreadedExecutor runs the timer,
 the lifecycle transitions, the memory services and the parameter services in separate callback
 groups; the pool (`EXECUTOR_THREADS`) leaves a thread for the timer whatever planners do (when
-every thread was blocked, rclpy's executor spun and starved the worker; README "Reliability").
+every thread was blocked, rclpy's executor spun and starved the worker; docs/reliability.md).
 The camera subscription has a node and an executor thread of its own (CameraSubscription):
 30 frames a second never wait for, or wake, that pool.
 """

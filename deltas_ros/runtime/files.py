@@ -1,7 +1,7 @@
 """Where the node may read and write memory files: one directory, and an optional key file.
 
 Any participant on the DDS domain can call ~/save_memory and ~/load_memory, so a request must not
-choose where the node (with its user's rights) writes. The rules (README "Reliability"):
+choose where the node (with its user's rights) writes. The rules (docs/reliability.md):
 
 - Every memory file lies inside `memory_dir`. A request names a file in it ("run3.safetensors")
   or a path that resolves inside it: no `..`, no symlink that leads out, no absolute path outside.

@@ -1,6 +1,6 @@
 """The questions the shipped scene model knows, their true answers, and how answers are scored.
 
-The forms are an interface (README lists them). Truth comes from a scene stream's events
+The forms are an interface (docs/model.md lists them). Truth comes from a scene stream's events
 (scenes.SceneStream). The model writes the answer; code here only makes training targets and
 scores what the model wrote.
 
