@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The retention signals a memory can rank tokens by (policy.make_policy builds each one).
+POLICY_NAMES = ("deltas", "recency", "uniform", "random", "value_norm", "key_norm",
+                "write_strength")
 # Pixels per frame after resizing (aspect kept): 320x320 gives ~100 tokens per 2-frame chunk.
 DEFAULT_PIXEL_BUDGET = 320 * 320
 
@@ -100,9 +103,9 @@ class MemoryConfig:
             raise ValueError("evidence_chunks must be >= 1 and evidence_candidates >= 0")
         if not (math.isfinite(self.max_question_s) and self.max_question_s > 0):
             raise ValueError(f"max_question_s must be > 0, got {self.max_question_s}")
-        from .policy import make_policy  # torch: only once a memory is configured
-
-        make_policy(self.policy, self.seed)  # raises for unknown names
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of "
+                             f"{', '.join(POLICY_NAMES)}")
 
 
 

@@ -23,10 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import MemoryConfig
-
-POLICY_NAMES = ("deltas", "recency", "uniform", "random", "value_norm", "key_norm",
-                "write_strength")
+from .config import POLICY_NAMES, MemoryConfig
 
 
 def select_keep(

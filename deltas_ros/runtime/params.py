@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.config import MemoryConfig, StreamConfig
+from ..core.config import POLICY_NAMES, MemoryConfig, StreamConfig
 from ..core.loader import resolve_model_path, resolve_pixel_budget
-from ..core.policy import POLICY_NAMES
 
 DEVICES = ("auto", "cpu", "cuda")
 MIN_PIXEL_BUDGET = 32 * 32
