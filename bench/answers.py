@@ -35,13 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from deltas_ros.core.config import DEFAULT_PIXEL_BUDGET
 from deltas_ros.core.loader import (
     LoadedModel,
-    load_model,
-    resolve_model_path,
     resolve_pixel_budget,
 )
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
@@ -58,7 +55,7 @@ from deltas_ros.training.questions import (
 from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import SceneStream
 
-from .common import add_out_arg, finish, md_table, start_results
+from .common import add_answers_args, finish, md_table, run_answers
 from .retention import PIXEL_DIFF, PixelDiffPolicy, pixel_difference
 
 FULL, STATE = "full", "state"
@@ -263,9 +260,7 @@ def plot(table: dict[str, Any], out: Path, seconds: float) -> Path:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model directory (default: the shipped scene model)")
     parser.add_argument("--streams", type=int, default=10, help="streams per length")
-    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--seconds", type=float, default=20.0, help="the training length")
     parser.add_argument("--lengths", type=float, nargs="+", default=[1, 2, 5, 10],
                         help="stream lengths as multiples of --seconds")
@@ -274,38 +269,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--window", type=int, default=14, help="recent window (tokens)")
     parser.add_argument("--policies", nargs="+", default=[*POLICY_NAMES, PIXEL_DIFF],
                         choices=[*POLICY_NAMES, PIXEL_DIFF])
-    parser.add_argument("--pixel-budget", type=int, help="default: the model's stored one")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--height", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--records", type=Path, help="answers file (JSON lines) to append to")
-    parser.add_argument("--report", type=Path, nargs="+",
-                        help="only report these answers files (merged)")
     parser.add_argument("--cost", action="store_true",
                         help="also time a chunk: this model vs the tiny random test model")
-    add_out_arg(parser)
+    add_answers_args(parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    results = start_results("answers", argv)
-    model_path = resolve_model_path(args.model)
-    files = args.report or [args.records or args.out / "answers.jsonl"]
-    if not args.report:
-        loaded = load_model(model_path, "cpu")
-        files[0].parent.mkdir(parents=True, exist_ok=True)
-        evaluate(args, loaded, files[0])
-        if args.cost:
-            from .common import bench_model
+    results, records, loaded = run_answers("answers", args, argv, evaluate)
+    if args.cost and loaded is not None:
+        from .common import bench_model
 
-            tiny = bench_model(argparse.Namespace(model=None, config=None, device="cpu",
-                                                  dtype="auto", seed=0))
-            results["chunk_ms"] = {
-                "shipped": chunk_cost(loaded, resolve_pixel_budget(None, model_path)),
-                "tiny_random_default_budget": chunk_cost(tiny, DEFAULT_PIXEL_BUDGET)}
-    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+        tiny = bench_model(argparse.Namespace(model=None, config=None, device="cpu",
+                                              dtype="auto", seed=0))
+        results["chunk_ms"] = {
+            "shipped": chunk_cost(loaded, resolve_pixel_budget(None, loaded.path)),
+            "tiny_random_default_budget": chunk_cost(tiny, DEFAULT_PIXEL_BUDGET)}
     table = aggregate(records)
-    results |= {"model": str(model_path), "answers_files": [str(f) for f in files],
-                "table": table, "seconds": args.seconds}
+    results |= {"table": table, "seconds": args.seconds}
     body = report(table, records, args.seconds)
     if "chunk_ms" in results:
         ms = results["chunk_ms"]

@@ -34,12 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from deltas_ros.core.loader import (
     LoadedModel,
-    load_model,
-    resolve_model_path,
     resolve_pixel_budget,
 )
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
@@ -49,7 +46,7 @@ from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import BUSY, SceneStream
 
 from .answers import wilson
-from .common import add_out_arg, finish, md_table, start_results
+from .common import add_answers_args, finish, md_table, run_answers
 
 KINDS = ("seen: shown", "seen: never shown", "colour: unique", "shape: unique",
          "colour: shared", "shape: shared")
@@ -153,34 +150,18 @@ def report(table: dict[str, dict[str, list[int]]], records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model directory (default: the shipped scene model)")
     parser.add_argument("--streams", type=int, default=8, help="streams per setting")
-    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--settings", nargs="+", default=["8:120", "12:300"],
                         help="OBJECTS:SECONDS per setting")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--pixel-budget", type=int, help="default: the model's stored one")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--height", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--records", type=Path, help="answers file (JSON lines) to append to")
-    parser.add_argument("--report", type=Path, nargs="+",
-                        help="only report these answers files (merged)")
-    add_out_arg(parser)
+    add_answers_args(parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    results = start_results("busy", argv)
-    model_path = resolve_model_path(args.model)
-    files = args.report or [args.records or args.out / "busy.jsonl"]
-    if not args.report:
-        files[0].parent.mkdir(parents=True, exist_ok=True)
-        evaluate(args, load_model(model_path, "cpu"), files[0])
-    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    results, records, _ = run_answers("busy", args, argv, evaluate)
     table = aggregate(records)
-    results |= {"model": str(model_path), "answers_files": [str(f) for f in files],
-                "table": table}
-    title = f"The busy world with full memory: {model_path.name} on held-out busy streams"
+    results["table"] = table
+    title = (f"The busy world with full memory: {Path(results['model']).name} on held-out busy "
+             "streams")
     return finish(args.out, results, title, report(table, records))
 
 

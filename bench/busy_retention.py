@@ -30,12 +30,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from deltas_ros.core.loader import (
     LoadedModel,
-    load_model,
-    resolve_model_path,
     resolve_pixel_budget,
 )
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
@@ -44,9 +40,9 @@ from deltas_ros.training.questions import is_correct
 from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import BUSY, SceneStream
 
-from .answers import FULL, STATE, conditions, run_condition, wilson
+from .answers import FULL, STATE, cell, conditions, run_condition
 from .busy import busy_questions
-from .common import add_out_arg, finish, md_table, start_results
+from .common import add_answers_args, finish, md_table, run_answers
 from .retention import PIXEL_DIFF
 
 POSITIONS = ("early", "middle", "late")
@@ -110,13 +106,6 @@ def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, list[int]]]]
     return table
 
 
-def cell(hits: list[int] | None) -> str:
-    if not hits or not hits[1]:
-        return "-"
-    lo, hi = wilson(*hits)
-    return f"{100 * hits[0] / hits[1]:.0f} ({100 * lo:.0f}-{100 * hi:.0f})"
-
-
 def order(table: dict[str, Any]) -> list[str]:
     """full, state, then the budgets from the tightest, policies by name."""
     rest = sorted((c for c in table if c not in (FULL, STATE)),
@@ -143,9 +132,7 @@ def report(table: dict[str, Any], records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model directory (default: the shipped scene model)")
     parser.add_argument("--streams", type=int, default=8, help="streams per length")
-    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--objects", type=int, default=8, help="objects per stream")
     parser.add_argument("--seconds", type=int, nargs="+", default=[120, 300, 600])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.25],
@@ -154,28 +141,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--policies", nargs="+", default=[*POLICY_NAMES, PIXEL_DIFF],
                         choices=[*POLICY_NAMES, PIXEL_DIFF])
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--pixel-budget", type=int, help="default: the model's stored one")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--height", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--records", type=Path, help="answers file (JSON lines) to append to")
-    parser.add_argument("--report", type=Path, nargs="+",
-                        help="only report these answers files (merged)")
-    add_out_arg(parser)
+    add_answers_args(parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    results = start_results("busy_retention", argv)
-    model_path = resolve_model_path(args.model)
-    files = args.report or [args.records or args.out / "busy_retention.jsonl"]
-    if not args.report:
-        files[0].parent.mkdir(parents=True, exist_ok=True)
-        evaluate(args, load_model(model_path, "cpu"), files[0])
-    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    results, records, _ = run_answers("busy_retention", args, argv, evaluate)
     table = aggregate(records)
-    results |= {"model": str(model_path), "answers_files": [str(f) for f in files],
-                "table": table}
-    title = f"Retention in the busy world: {model_path.name}, {args.objects} objects a stream"
+    results["table"] = table
+    title = (f"Retention in the busy world: {Path(results['model']).name}, {args.objects} "
+             "objects a stream")
     return finish(args.out, results, title, report(table, records))
 
 

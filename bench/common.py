@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import transformers
 from transformers import Qwen3_5ForConditionalGeneration
 
 from deltas_ros.core.kernels import select_gated_delta_kernels
-from deltas_ros.core.loader import LoadedModel, default_dtype, load_model
+from deltas_ros.core.loader import LoadedModel, default_dtype, load_model, resolve_model_path
 from deltas_ros.core.maker import (
     config_from_file,
     init_decay_like_trained,
@@ -198,6 +199,39 @@ def finish(out_dir: Path, results: dict[str, Any], title: str, body: str) -> dic
     (out_dir / f"{name}.md").write_text(markdown)
     print(markdown)
     return results
+
+
+def add_answers_args(parser: argparse.ArgumentParser) -> None:
+    """The options every answer benchmark (answers, busy, busy_retention) shares."""
+    parser.add_argument("--model", help="model directory (default: the shipped scene model)")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--pixel-budget", type=int, help="default: the model's stored one")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--height", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--records", type=Path, help="answers file (JSON lines) to append to")
+    parser.add_argument("--report", type=Path, nargs="+",
+                        help="only report these answers files (merged)")
+    add_out_arg(parser)
+
+
+def run_answers(name: str, args: argparse.Namespace, argv: list[str],
+                evaluate: Callable[[argparse.Namespace, LoadedModel, Path], None],
+                ) -> tuple[dict[str, Any], list[dict], LoadedModel | None]:
+    """Answer the benchmark's questions into `--records` (unless `--report` names answers files
+    to read instead), then read every answer back: (results so far, answers, the model)."""
+    torch.set_num_threads(args.threads)
+    results = start_results(name, argv)
+    model_path = resolve_model_path(args.model)
+    files = args.report or [args.records or args.out / f"{name}.jsonl"]
+    loaded = None
+    if not args.report:
+        loaded = load_model(model_path, "cpu")
+        files[0].parent.mkdir(parents=True, exist_ok=True)
+        evaluate(args, loaded, files[0])
+    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    results |= {"model": str(model_path), "answers_files": [str(f) for f in files]}
+    return results, records, loaded
 
 
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:
