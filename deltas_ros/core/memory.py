@@ -141,7 +141,7 @@ class StreamingMemory:
             index=index, num_tokens=chunk.num_tokens, drift=drift, keys=keys, values=values,
             write_strength=None if per_token is None else per_token.mean().item(),
             recorded=per_token, frames=frames,
-            saliency=self._saliency(chunk) if self.policy.needs_saliency else None)
+            saliency=self.saliency(chunk) if self.policy.needs_saliency else None)
         self.slots = self.slots.append(chunk.time, index, self.policy.score(signals),
                                        chunk.position_ids, stamp, pose)
         self.chunks_seen += 1
@@ -158,8 +158,9 @@ class StreamingMemory:
             pose=pose,
         )
 
-    def _saliency(self, chunk: Chunk) -> torch.Tensor:
-        """(n,) StreamMem's proxy-query attention on the chunk just prefilled."""
+    def saliency(self, chunk: Chunk) -> torch.Tensor:
+        """(n,) StreamMem's proxy-query attention on `chunk`, just prefilled (the memory is left
+        as it was); only for the policies that score by it."""
         ids, positions = self.builder.text(self.layout.after_question, chunk.next_position)
         return proxy_saliency(self.backend, ids, positions, self.kv_tokens)[-chunk.num_tokens:]
 
