@@ -1,6 +1,8 @@
 """The retention signals beside DeltaS (core/signals.py) against their slow references, and on
 the tiny model from its own Gated DeltaNet inputs."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -149,3 +151,30 @@ def test_proxy_saliency_leaves_the_memory_as_it_was(tiny_model):
     assert all(torch.equal(a, b) for a, b in zip(states(memory), was_states))
     assert memory.add_chunk(frames_for(3), [3.0, 3.5]).kv_tokens > 0  # the cache still works
 
+
+
+def test_beta_error_scores_each_token_by_the_replay_on_the_model(tiny_model):
+    memory = StreamingMemory(tiny_model, MemoryConfig(policy="beta_error", **TINY_FRAMES))
+    feed(memory, range(2))
+    recorded = []
+    replay = memory.backend.strength_fn
+    memory.backend.strength_fn = lambda *args: recorded.append(replay(*args)) or recorded[-1]
+    (result,) = feed(memory, range(2, 3))
+    assert len(recorded) == 6
+    scores = memory.slots.score[memory.slots.chunk == result.index]
+    torch.testing.assert_close(scores, layer_mean(recorded))
+    assert scores.unique().numel() > 1  # per token, not per chunk
+
+
+def test_streammem_scores_a_chunk_by_the_proxy_attention_on_it(tiny_model):
+    memory = StreamingMemory(tiny_model, MemoryConfig(policy="streammem", **TINY_FRAMES))
+    feed(memory, range(2))
+    twin = copy.deepcopy(memory)
+    (result,) = feed(memory, range(2, 3))
+    chunk = twin.builder.build(frames_for(2), [2, 2.5], twin.next_position)
+    with torch.inference_mode():
+        twin.backend.prefill_chunk(chunk)
+        ids, positions = twin.builder.text(twin.layout.after_question, chunk.next_position)
+        mass = proxy_saliency(twin.backend, ids, positions, twin.kv_tokens)
+    scores = memory.slots.score[memory.slots.chunk == result.index]
+    torch.testing.assert_close(scores, mass[-chunk.num_tokens:])
