@@ -205,10 +205,6 @@ class RetentionPolicy:
     needs_saliency = False
     scores_chunks = True  # every token of a chunk gets one score (eviction by runs applies)
 
-    @property
-    def needs_write_strength(self) -> bool:
-        return self.records == "write_strength"
-
     def score(self, chunk: ChunkSignals) -> torch.Tensor:
         """(num_tokens,) float32 scores for the chunk's tokens."""
         raise NotImplementedError

@@ -144,5 +144,6 @@ def pixel_difference(frames: Sequence[np.ndarray], previous: Sequence[np.ndarray
     if previous is None or len(previous) != len(frames) or any(
             a.shape != b.shape for a, b in zip(frames, previous)):
         return 1.0
-    return float(np.mean([np.abs(a.astype(np.int16) - b).mean() for a, b in
+    # |a - b| as max - min stays in uint8: no widened copy of the frames.
+    return float(np.mean([(np.maximum(a, b) - np.minimum(a, b)).mean() for a, b in
                           zip(frames, previous)]) / 255.0)
