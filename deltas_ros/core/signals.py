@@ -88,7 +88,7 @@ def lexicographic(primary: float, secondary: torch.Tensor) -> torch.Tensor:
     rank = torch.empty(n, dtype=torch.int64)
     rank[torch.argsort(secondary.float().cpu(), stable=True)] = torch.arange(n)
     code = rank * (1 << RANK_BITS) // max(n, 1)
-    base = torch.tensor(primary, dtype=torch.float32).view(torch.int32).item()
+    base = torch.tensor(primary + 0.0, dtype=torch.float32).view(torch.int32).item()  # no -0
     base &= ~((1 << RANK_BITS) - 1)
     return (code.to(torch.int32) + base).view(torch.float32)
 
