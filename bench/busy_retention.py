@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.25],
                         help="budgets as fractions of the stream's tokens")
     parser.add_argument("--window", type=int, default=14, help="recent window (tokens)")
-    parser.add_argument("--policies", nargs="+", default=[*POLICY_NAMES, PIXEL_DIFF],
+    parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES),
                         choices=[*POLICY_NAMES, PIXEL_DIFF])
     parser.add_argument("--max-new-tokens", type=int, default=8)
     add_answers_args(parser)

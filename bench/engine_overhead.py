@@ -8,21 +8,27 @@ every policy's memory before the next one), so the rows compare like with like u
 machine conditions.
 
 How (medians over the chunks after --warmup; all timings synchronise CUDA):
-- forward ms: ChunkResult.forward_ms (vision tower + prefill). For write_strength the beta*||e||
-  recording runs inside the forward; its measured time is subtracted, so this is the model alone.
+- forward ms: ChunkResult.forward_ms (vision tower + prefill). For the policies that record a
+  per-token signal inside the forward (write_strength and beta_error: the beta*||e|| replay;
+  surprise and deltas_surprise: the state surprise) its measured time is subtracted, so this is
+  the model alone.
 - engine drift ms: ChunkResult.signal_ms, the state snapshot + norms. The engine computes drift
   under every policy (it is published on ~/drift), so every run pays it.
-- policy signal ms: what the policy's own score costs. deltas: engine drift + score();
-  write_strength: the replay (every call of the recording function timed) + score(); the others:
-  score() (key/value norms of the chunk's new cache entries, or a constant).
+- policy signal ms: what the policy's own score costs: the recording (every call of the
+  recording function timed) + score(), + engine drift for the policies scoring by drift (deltas,
+  deltas_surprise), + StreamMem's proxy-query forward (StreamingMemory.saliency) for streammem.
+  score() alone is the key/value norms, InfiniPot-V's key cosines or the pixel difference.
 - eviction ms: ChunkResult.evict_ms of each chunk that evicted, per eviction event: the choice
-  (select_runs for per-chunk policies, select_keep for value_norm/key_norm), the slot table and
-  the K/V moves into the evicted slots in every full-attention layer.
+  (select_runs for per-chunk policies, select_keep for per-token ones), the slot table and the
+  K/V moves into the evicted slots in every full-attention layer.
+- x deltas: each policy's signal and eviction per event over the deltas run's, same run.
 
 A random model of the 9B dimensions does not fit this CPU, so the same operations are also timed
 on synthetic tensors of the real 9B sizes (from --micro-config: 24 fp32 states (1, 32, 128, 128);
-8 layers of K and V (1, 4, M + chunk, 256)) on the chosen device. On a CPU that is an absolute-cost
-check of this code on this machine, not a GPU figure.
+8 layers of K and V (1, 4, M + chunk, 256)) on the chosen device, with the per-token signals on
+a chunk's keys, values and beta of those sizes beside the drift (StreamMem's needs a forward of
+the model, so it is only in the model run). On a CPU that is an absolute-cost check of this code
+on this machine, not a GPU figure.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from deltas_ros.core.maker import config_from_file
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES, select_keep, select_runs
 from deltas_ros.core.reference import gather_table
+from deltas_ros.core.signals import state_surprise, temporal_redundancy
 from deltas_ros.core.slots import SlotTable
 from deltas_ros.training.synth import synth_stream
 
@@ -60,7 +67,9 @@ from .common import (
 )
 
 # The paper's Qwen3.5-9B on one GPU (deltas-spec.md), and the physical floor on an H200.
-PAPER = {"forward_ms": 107.0, "signal_ms": 2.07, "evict_ms": 6.4, "write_strength_ms": 206.1}
+PAPER = {"forward_ms": 107.0, "signal_ms": 2.07, "evict_ms": 6.4, "write_strength_ms": 206.1,
+         "infinipot_v_ms": 15.4}
+DRIFT_POLICIES = ("deltas", "deltas_surprise")  # their signal includes the engine's drift
 FLOOR_MS = {"signal": 0.04, "gather": 0.12}
 TARGETS = {"signal_fraction": 0.005, "evict_fraction": 0.01, "signal_ms": 0.2, "evict_ms": 1.0,
            "fill_speedup": 20.0}
@@ -96,7 +105,8 @@ class PolicyRun:
             pixel_budget=args.pixel_budget))
         self.scores: list[float] = []
         self.memory.policy.score = timed(self.memory.policy.score, self.scores, loaded.device)
-        self.replays = replays  # shared: only write_strength's memory records into it
+        self.memory.saliency = timed(self.memory.saliency, self.scores, loaded.device)
+        self.replays = replays  # shared: only the recording policies' memories record into it
         self.forward: list[float] = []
         self.drift: list[float] = []
         self.signal: list[float] = []
@@ -115,7 +125,7 @@ class PolicyRun:
         if measured:
             self.forward.append(result.forward_ms - replay)
             self.drift.append(result.signal_ms)
-            own = result.signal_ms if self.policy == "deltas" else 0.0
+            own = result.signal_ms if self.policy in DRIFT_POLICIES else 0.0
             self.signal.append(score + replay + own)
 
     def row(self) -> dict[str, Any]:
@@ -134,12 +144,62 @@ def run_policies(loaded: LoadedModel, chunks: Frames,
     frames under the same machine conditions."""
     replays: list[float] = []
     runs = [PolicyRun(loaded, policy, args, replays) for policy in args.policies]
-    for run in runs:  # only write_strength's memory records; its replays are timed per instance
+    for run in runs:  # only the recording policies' memories record; timed per instance
         run.memory.backend.strength_fn = timed(write_strength, replays, loaded.device)
+        run.memory.backend.surprise_fn = timed(state_surprise, replays, loaded.device)
     for i, (frames, times) in enumerate(chunks):
         for run in runs:
             run.add(frames, times, measured=i >= args.warmup)
-    return {run.policy: run.row() for run in runs}
+    rows = {run.policy: run.row() for run in runs}
+    if "deltas" in rows:
+        base = rows["deltas"]
+        for row in rows.values():
+            row["signal_x_deltas"] = row["policy_signal_ms"] / base["policy_signal_ms"]
+            row["evict_x_deltas"] = row["evict_ms_per_event"] / base["evict_ms_per_event"]
+    return rows
+
+
+def micro_signals(device: torch.device, text, chunk_tokens: int, reps: int) -> dict[str, float]:
+    """Per-chunk signals on a chunk of a text config's sizes (median ms of reps, after one
+    warm-up): the state surprise over every linear-attention layer (one matmul each), the
+    beta*||e|| replay (one repetition: it is slow), InfiniPot-V's key cosines and value norms
+    over the full-attention layers' new entries."""
+    torch.manual_seed(1)
+    n, linear = chunk_tokens, text.layer_types.count("linear_attention")
+    key = torch.randn(1, n, text.linear_num_key_heads, text.linear_key_head_dim, device=device)
+    value = torch.randn(1, n, text.linear_num_value_heads, text.linear_value_head_dim,
+                        device=device)
+    beta = torch.rand(1, n, text.linear_num_value_heads, device=device)
+    g = -torch.rand(1, n, text.linear_num_value_heads, device=device)
+    state = torch.randn(1, text.linear_num_value_heads, text.linear_key_head_dim,
+                        text.linear_value_head_dim, device=device)
+    full = text.layer_types.count("full_attention")
+    keys = [torch.randn(1, text.num_key_value_heads, n, text.head_dim, device=device)
+            for _ in range(full)]
+    previous = [k + 0.1 * torch.randn_like(k) for k in keys]
+
+    def ms(fn: Callable[[], Any], times: int) -> float:
+        out = []
+        for _ in range(times + 1):
+            start = now(device)
+            fn()
+            out.append((now(device) - start) * 1e3)
+        return median(out[1:])
+
+    def surprise() -> None:
+        for _ in range(linear):
+            state_surprise(key, value, g, beta, state)
+
+    def tar_van() -> None:
+        (1 - temporal_redundancy(keys, previous)) * torch.stack(
+            [k[0].norm(dim=-1).mean(0) for k in keys]).mean(0)
+
+    def replay() -> None:
+        for _ in range(linear):
+            write_strength(key, value, g, beta, state)
+
+    return {"surprise_ms": ms(surprise, reps), "infinipot_v_ms": ms(tar_van, reps),
+            "beta_error_ms": ms(replay, 1)}
 
 
 def previous_signal(before: list[torch.Tensor], after: list[torch.Tensor]) -> list[float]:
@@ -249,7 +309,8 @@ def micro(device: torch.device, dtype: torch.dtype, text, budget: int, chunk_tok
             "evict_ms": median([s + g for s, g in zip(selection, gather)]),
             "evict_fill_ms": median([s + f for s, f in zip(selection, fill)]),
             "select_runs_ms": median(run_selection), "runs_ms": median(by_runs),
-            "evict_runs_ms": median([s + f for s, f in zip(run_selection, by_runs)])}
+            "evict_runs_ms": median([s + f for s, f in zip(run_selection, by_runs)])
+            } | micro_signals(device, text, chunk_tokens, reps)
 
 
 def report(results: dict[str, Any], cuda: bool) -> str:
@@ -258,14 +319,18 @@ def report(results: dict[str, Any], cuda: bool) -> str:
              percent(PAPER["evict_ms"] / PAPER["forward_ms"]), 8192],
             ["paper beta*\\|\\|e\\|\\|", PAPER["forward_ms"], "", PAPER["write_strength_ms"],
              percent(PAPER["write_strength_ms"] / PAPER["forward_ms"]), "", "", "", ""]]
+    for row in rows:  # no "x deltas" for the paper's rows
+        row.insert(5, "")
+        row.insert(9, "")
     for name, r in results["policies"].items():
         rows.append([name, f"{r['forward_ms']:.2f}", f"{r['engine_drift_ms']:.3f}",
                      f"{r['policy_signal_ms']:.3f}", percent(r["signal_fraction"]),
-                     f"{r['evict_ms_per_event']:.3f}", r["eviction_events"],
-                     percent(r["evict_fraction"]), r["max_kv_tokens"]])
+                     f"{r['signal_x_deltas']:.2f}x", f"{r['evict_ms_per_event']:.3f}",
+                     r["eviction_events"], percent(r["evict_fraction"]),
+                     f"{r['evict_x_deltas']:.2f}x", r["max_kv_tokens"]])
     body = md_table(["policy", "forward ms", "engine drift ms", "policy signal ms",
-                     "signal / forward", "eviction ms / event", "events",
-                     "eviction / forward", "max KV"], rows)
+                     "signal / forward", "signal x deltas", "eviction ms / event", "events",
+                     "eviction / forward", "eviction x deltas", "max KV"], rows)
     checks = [[c["check"], c["measured"], c["target"], c["result"]] for c in results["checks"]]
     body += "\n" + md_table(["check", "measured", "target", "result"], checks)
     m = results["micro"]
@@ -293,6 +358,13 @@ def report(results: dict[str, Any], cuda: bool) -> str:
          f"{m['runs_ms']:.3f}", "", ""],
         ["eviction total (runs: the engine's)", f"{m['evict_runs_ms']:.3f}", PAPER["evict_ms"],
          ""],
+        [f"state surprise, all linear layers ({m['surprise_ms'] / m['signal_ms']:.1f}x the "
+         "signal)", f"{m['surprise_ms']:.3f}", "", ""],
+        [f"InfiniPot-V TaR x VaN, all full layers ({m['infinipot_v_ms'] / m['signal_ms']:.1f}x)",
+         f"{m['infinipot_v_ms']:.3f}", PAPER["infinipot_v_ms"], ""],
+        [f"beta*\\|\\|e\\|\\| replay, all linear layers "
+         f"({m['beta_error_ms'] / m['signal_ms']:.0f}x)", f"{m['beta_error_ms']:.3f}",
+         PAPER["write_strength_ms"], ""],
     ])
     t, d = results["micro_model"], results["policies"]["deltas"]
     body += (f"\nThe same operations at this model's own sizes (M = {t['budget']}), back to back "

@@ -78,9 +78,15 @@ def test_engine_overhead(tmp_path):
     deltas, strength = results["policies"]["deltas"], results["policies"]["write_strength"]
     assert deltas["policy_signal_ms"] >= deltas["engine_drift_ms"] > 0
     assert strength["policy_signal_ms"] > deltas["policy_signal_ms"]  # the token-level replay
+    assert deltas["signal_x_deltas"] == deltas["evict_x_deltas"] == 1.0
+    policies = results["policies"]
+    assert policies["beta_error"]["policy_signal_ms"] > policies["surprise"]["policy_signal_ms"]
+    assert (policies["deltas_surprise"]["policy_signal_ms"]
+            >= policies["deltas_surprise"]["engine_drift_ms"])
     micro = results["micro"]
     assert micro["budget"] == 2048 and micro["state_mib"] == 48
     assert micro["signal_ms"] > 0 and micro["evict_ms"] >= micro["select_ms"] > 0
+    assert micro["beta_error_ms"] > micro["surprise_ms"] > 0 and micro["infinipot_v_ms"] > 0
     # Each verdict follows from its own figures; on a CPU the H200 targets are never judged.
     verdicts = {c["check"]: c["result"] for c in results["checks"]}
     targets = engine_overhead.TARGETS

@@ -163,15 +163,59 @@ def test_select_runs_refuses_what_select_keep_refuses():
 
 
 def test_only_the_per_token_policies_score_tokens_apart():
-    assert {n for n in POLICY_NAMES if not make_policy(n).scores_chunks} == {"value_norm",
-                                                                             "key_norm"}
+    assert {n for n in POLICY_NAMES if not make_policy(n).scores_chunks} == {
+        "value_norm", "key_norm", "surprise", "deltas_surprise", "infinipot_v", "streammem",
+        "beta_error"}
+
+
+def test_new_policies_are_appended_to_the_names():
+    assert POLICY_NAMES[:7] == ("deltas", "recency", "uniform", "random", "value_norm",
+                                "key_norm", "write_strength")
 
 
 def signals(index: int, n: int = 6) -> ChunkSignals:
     gen = torch.Generator().manual_seed(index)
     kv = [torch.randn(1, 2, n, 8, generator=gen) for _ in range(2)]
+    per_token = torch.rand(n, generator=gen)
+    frames = [np.full((4, 4, 3), index, np.uint8)] * 2
     return ChunkSignals(index=index, num_tokens=n, drift=0.1 * index, keys=kv,
-                        values=[2 * t for t in kv], write_strength=0.5)
+                        values=[2 * t for t in kv], write_strength=0.5, recorded=per_token,
+                        saliency=per_token / n, frames=frames)
+
+
+def test_surprise_policies_rank_by_the_recorded_signal():
+    chunk = signals(2)
+    assert torch.equal(make_policy("surprise").score(chunk), chunk.recorded)
+    assert torch.equal(make_policy("beta_error").score(chunk), chunk.recorded)
+    combined = make_policy("deltas_surprise").score(chunk)
+    assert torch.equal(torch.argsort(combined), torch.argsort(chunk.recorded))
+    assert combined.max().item() == pytest.approx(chunk.drift, rel=1e-4)
+    assert {make_policy(n).records for n in ("surprise", "deltas_surprise")} == {"surprise"}
+    assert make_policy("beta_error").records == "write_strength"
+
+
+def test_policies_that_compare_with_the_previous_chunk_forget_it_on_reset():
+    for name in ("infinipot_v", "pixel_difference"):
+        policy = make_policy(name)
+        first = policy.score(signals(1))
+        again = policy.score(signals(1))
+        assert not torch.equal(first, again), name  # the same chunk twice: nothing new
+        policy.reset()
+        assert torch.equal(policy.score(signals(1)), first), name
+    assert make_policy("pixel_difference").score(signals(1)).unique().tolist() == [1.0]
+
+
+def test_infinipot_v_keeps_novel_salient_tokens():
+    """TaR x VaN: a token whose key repeats the last chunk's scores 0, a changed one its value
+    norm times (1 - cosine)."""
+    policy, chunk = make_policy("infinipot_v"), signals(1)
+    policy.score(chunk)
+    keys = [k.clone() for k in chunk.keys]
+    for k in keys:
+        k[..., 0, :] = -k[..., 0, :]  # first token's key reversed: cosine -1
+    scores = policy.score(ChunkSignals(2, 6, 0.0, keys, chunk.values))
+    norms = torch.stack([v[0].norm(dim=-1).mean(0) for v in chunk.values]).mean(0)
+    torch.testing.assert_close(scores, torch.cat([2 * norms[:1], torch.zeros(5)]))
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

@@ -55,6 +55,7 @@ from .drift import drift_of_views, drift_views, write_strength
 from .kernels import recording_write_strength, select_gated_delta_kernels
 from .kv_slots import attention_mass_of, gather_slots, move_slots
 from .rope import RotaryShift
+from .signals import state_surprise
 
 
 @dataclass
@@ -90,7 +91,8 @@ class Backend:
         self.rotary_shift = rotary_shift(model)
         self.cache = DynamicCache(config=text)
         self.fla_kernels = select_gated_delta_kernels(model, device)  # per instance; idempotent
-        self.strength_fn: Callable = write_strength  # a benchmark may wrap it to time it
+        self.strength_fn: Callable = write_strength  # a benchmark may wrap them to time them
+        self.surprise_fn: Callable = state_surprise
         self.buffers: _StateBuffers | None = None
         self._generation = 0
 
@@ -350,11 +352,13 @@ class Backend:
         return kv, states
 
     # ----------------------------------------------------------------------------- signals
-    def recording_write_strength(self, enabled: bool = True) -> Iterator[list[torch.Tensor]]:
-        """While active, each chunked gated delta prefill in this thread appends beta*||e|| per
-        token (B, n) to the yielded list (`kernels.recording_write_strength`). It replays the
-        recurrence token by token: only for policies that score by it."""
-        return recording_write_strength(self.strength_fn, enabled)
+    def recording_write_strength(self, enabled: bool = True, signal: str | None = None
+                                 ) -> Iterator[list[torch.Tensor]]:
+        """While active, each chunked gated delta prefill in this thread appends a per-token
+        signal (B, n) to the yielded list (`kernels.recording_write_strength`): beta*||e||
+        (replays the recurrence token by token) or, for signal "surprise", state_surprise."""
+        fn = self.surprise_fn if signal == "surprise" else self.strength_fn
+        return recording_write_strength(fn, enabled)
 
     @contextmanager
     def attention_mass(self, slots: int) -> Iterator[torch.Tensor]:

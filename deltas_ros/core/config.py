@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 # The retention signals a memory can rank tokens by (policy.make_policy builds each one).
 POLICY_NAMES = ("deltas", "recency", "uniform", "random", "value_norm", "key_norm",
-                "write_strength")
+                "write_strength", "surprise", "deltas_surprise", "infinipot_v", "streammem",
+                "beta_error", "pixel_difference")
 # Pixels per frame after resizing (aspect kept): 320x320 gives ~100 tokens per 2-frame chunk.
 DEFAULT_PIXEL_BUDGET = 320 * 320
 

@@ -89,8 +89,8 @@ def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def recording_write_strength(strength_fn: Callable,
                              enabled: bool = True) -> Iterator[list[torch.Tensor]]:
     """While active, each chunked gated delta prefill in this thread appends
-    strength_fn(key, value, g, beta, initial state, l2norm) (beta*||e|| per token, (B, n)) to
-    the yielded list."""
+    strength_fn(key, value, g, beta, initial state, l2norm), a per-token signal (B, n) (the
+    beta*||e|| replay or the state surprise), to the yielded list."""
     sink: list[torch.Tensor] = []
     token = _RECORDING.set((sink, strength_fn) if enabled else None)
     try:

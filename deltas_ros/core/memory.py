@@ -42,6 +42,7 @@ from .policy import ChunkSignals, make_policy, select_keep, select_runs
 from .poses import Pose
 from .prompt import THINK_END, ChatLayout
 from .results import Answer, ChunkResult, MemoryState, MemoryStats
+from .signals import layer_mean, proxy_saliency
 from .slots import PREFIX_CHUNK, SlotTable
 from .state_check import check_state
 
@@ -90,6 +91,7 @@ class StreamingMemory:
     def reset(self) -> None:
         """Forget everything and open a new stream with the chat prefix (the attention sinks)."""
         self.backend.reset()
+        self.policy.reset()
         self.chunks_seen = self.compactions = 0
         ids, positions = self.builder.text(self.layout.prefix, 0)
         self.backend.prefill_text(ids, positions)
@@ -116,25 +118,29 @@ class StreamingMemory:
             chunk = replace(chunk, position_ids=chunk.position_ids - freed,
                             next_position=chunk.next_position - freed)
         return self._rolled_back_on_failure(
-            lambda snapshot: self._ingest(chunk, stamp, snapshot, freed, pose),
+            lambda snapshot: self._ingest(chunk, stamp, snapshot, freed, pose, frames),
             ChunkFailed, f"chunk {self.chunks_seen}")
 
     def _ingest(
         self, chunk: Chunk, stamp: float | None, snapshot: _Snapshot, freed: int,
-        pose: Pose | None = None,
+        pose: Pose | None = None, frames: Sequence[np.ndarray] = (),
     ) -> ChunkResult:
         """Prefill, score and evict; may leave the memory half-updated if it raises."""
         t1 = snapshot.taken
-        with self.backend.recording_write_strength(self.policy.needs_write_strength) as strengths:
+        records = self.policy.records
+        with self.backend.recording_write_strength(records is not None, records) as recorded:
             self.backend.prefill_chunk(chunk)
         t2 = self.backend.now()
         drift, per_layer = self.backend.drift(snapshot.states)
         t3 = self.backend.now()
         index = self.chunks_seen
         keys, values = self.backend.newest(chunk.num_tokens)
-        strength = torch.stack([s.mean() for s in strengths]).mean().item() if strengths else None
-        signals = ChunkSignals(index=index, num_tokens=chunk.num_tokens, drift=drift, keys=keys,
-                               values=values, write_strength=strength)
+        per_token = layer_mean(recorded) if recorded else None
+        signals = ChunkSignals(
+            index=index, num_tokens=chunk.num_tokens, drift=drift, keys=keys, values=values,
+            write_strength=None if per_token is None else per_token.mean().item(),
+            recorded=per_token, frames=frames,
+            saliency=self.saliency(chunk) if self.policy.needs_saliency else None)
         self.slots = self.slots.append(chunk.time, index, self.policy.score(signals),
                                        chunk.position_ids, stamp, pose)
         self.chunks_seen += 1
@@ -150,6 +156,12 @@ class StreamingMemory:
             evict_ms=(t5 - t4) * 1e3 if evicted else 0.0, stamp=stamp, positions_freed=freed,
             pose=pose,
         )
+
+    def saliency(self, chunk: Chunk) -> torch.Tensor:
+        """(n,) StreamMem's proxy-query attention on `chunk`, just prefilled (the memory is left
+        as it was); only for the policies that score by it."""
+        ids, positions = self.builder.text(self.layout.after_question, chunk.next_position)
+        return proxy_saliency(self.backend, ids, positions, self.kv_tokens)[-chunk.num_tokens:]
 
     @torch.inference_mode()
     def evict_to_budget(self) -> int:

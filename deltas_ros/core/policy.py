@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .config import POLICY_NAMES, MemoryConfig
+from .signals import lexicographic, pixel_difference, temporal_redundancy
 
 
 def select_keep(
@@ -167,7 +168,10 @@ class ChunkSignals:
 
     keys, values: the chunk's new cache entries, one (B, kv_heads, n, head_dim) tensor per
     full-attention layer. write_strength: mean beta_t * ||v_t - alpha_t S_{t-1} k_t|| over the
-    chunk's tokens, linear layers and heads; only computed for policies that ask for it.
+    chunk's tokens, linear layers and heads. recorded: (n,) the per-token signal the policy
+    records from the gated delta prefill (`RetentionPolicy.records`), mean over linear layers.
+    saliency: (n,) the proxy query's attention on the chunk's slots. frames: its RGB frames.
+    Each is only computed for the policies that ask for it.
     """
 
     index: int
@@ -176,22 +180,34 @@ class ChunkSignals:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     write_strength: float | None = None
+    recorded: torch.Tensor | None = None
+    saliency: torch.Tensor | None = None
+    frames: Sequence[np.ndarray] = ()
 
 
 class RetentionPolicy:
     """A per-token score for each new chunk; `select_keep` does the rest.
 
     buckets: None = the memory's setting; a policy may pin it (recency uses one bucket).
+    records: which per-token signal the gated delta prefill records for it ("write_strength":
+    the token-by-token replay, "surprise": against the state before the chunk), or None.
+    A policy that compares a chunk with the previous one keeps that chunk itself; `reset`
+    (a new stream) forgets it. It is no part of a saved memory: after a load, the first chunk
+    compares with the last one this instance saw (a fresh one: with none).
     """
 
     name = ""
     buckets: int | None = None
-    needs_write_strength = False
+    records: str | None = None
+    needs_saliency = False
     scores_chunks = True  # every token of a chunk gets one score (eviction by runs applies)
 
     def score(self, chunk: ChunkSignals) -> torch.Tensor:
         """(num_tokens,) float32 scores for the chunk's tokens."""
         raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget the stream (a new one starts, or a saved one is loaded)."""
 
 
 class DeltaSPolicy(RetentionPolicy):
@@ -263,10 +279,95 @@ class WriteStrengthPolicy(RetentionPolicy):
     """beta * ||e||: the gated delta rule's token-level write strength, averaged per chunk."""
 
     name = "write_strength"
-    needs_write_strength = True
+    records = "write_strength"
 
     def score(self, chunk: ChunkSignals) -> torch.Tensor:
         return torch.full((chunk.num_tokens,), float(chunk.write_strength))
+
+
+class SurprisePolicy(RetentionPolicy):
+    """State surprise: each token by its write against the state before the chunk
+    (signals.state_surprise), so a chunk keeps the tokens the state did not predict."""
+
+    name = "surprise"
+    records = "surprise"
+    scores_chunks = False
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return chunk.recorded.float()
+
+
+class DeltaSSurprisePolicy(RetentionPolicy):
+    """DeltaS across chunks, surprise within one: a bucket fills with the highest-drift chunks,
+    and the chunk that only partly fits keeps its most surprising tokens."""
+
+    name = "deltas_surprise"
+    records = "surprise"
+    scores_chunks = False
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return lexicographic(chunk.drift, chunk.recorded)
+
+
+class InfiniPotVPolicy(RetentionPolicy):
+    """InfiniPot-V's two query-agnostic criteria in one score: temporal-axis novelty of a key
+    against the most recent frame's key at the same place (1 - cosine, TaR) times the token's
+    value norm (VaN), so a kept token is both new and salient."""
+
+    name = "infinipot_v"
+    scores_chunks = False
+
+    def __init__(self) -> None:
+        self.previous: list[torch.Tensor] | None = None
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        novelty = 1.0 - temporal_redundancy(chunk.keys, self.previous)
+        self.previous = [k.clone() for k in chunk.keys]
+        return novelty * _mean_token_norm(chunk.values)
+
+    def reset(self) -> None:
+        self.previous = None
+
+
+class StreamMemPolicy(RetentionPolicy):
+    """StreamMem's saliency: the attention that the chat template's generic query (the
+    assistant-turn opening) puts on each token over the full-attention layers, at arrival."""
+
+    name = "streammem"
+    needs_saliency = True
+    scores_chunks = False
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return chunk.saliency.float()
+
+
+class BetaErrorPolicy(RetentionPolicy):
+    """The paper's token-level state baseline: beta_t * ||v_t - alpha_t S_{t-1} k_t|| per
+    token, replayed token by token with decay (drift.write_strength), not averaged per chunk."""
+
+    name = "beta_error"
+    records = "write_strength"
+    scores_chunks = False
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return chunk.recorded.float()
+
+
+class PixelDifferencePolicy(RetentionPolicy):
+    """Mean absolute pixel change from the previous chunk's frames, one score per chunk."""
+
+    name = "pixel_difference"
+
+    def __init__(self) -> None:
+        self.previous: list[np.ndarray] | None = None
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        change = pixel_difference(chunk.frames, self.previous)
+        self.previous = [np.array(frame) for frame in chunk.frames]
+        return torch.full((chunk.num_tokens,), change)
+
+    def reset(self) -> None:
+        self.previous = None
 
 
 def make_policy(name: str, seed: int = 0) -> RetentionPolicy:
@@ -274,7 +375,10 @@ def make_policy(name: str, seed: int = 0) -> RetentionPolicy:
     policies = {
         "deltas": DeltaSPolicy, "recency": RecencyPolicy, "uniform": UniformPolicy,
         "value_norm": ValueNormPolicy, "key_norm": KeyNormPolicy,
-        "write_strength": WriteStrengthPolicy,
+        "write_strength": WriteStrengthPolicy, "surprise": SurprisePolicy,
+        "deltas_surprise": DeltaSSurprisePolicy, "infinipot_v": InfiniPotVPolicy,
+        "streammem": StreamMemPolicy, "beta_error": BetaErrorPolicy,
+        "pixel_difference": PixelDifferencePolicy,
     }
     if name == "random":
         return RandomPolicy(seed)
