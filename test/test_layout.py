@@ -21,7 +21,7 @@ ALLOWED = {
     "runtime": {"core"},
     "ros": {"runtime", "core"},
     "training": {"core"},
-    "tools": {"training", "core", "ros.replay", "ros.ask_client"},
+    "tools": {"training", "core", "ros.replay", "ros.ask_client", "ros.dashboard"},
 }
 GENERATED = ("deltas_ros.msg", "deltas_ros.srv", "deltas_ros.action")
 ROS_PACKAGES = ("rclpy", "rcl_interfaces", "builtin_interfaces", "std_msgs", "std_srvs",
