@@ -4,8 +4,8 @@ The folders are the layers: `core` (the engine), `runtime` (the node's state wit
 `ros` (the ROS 2 side), `tools` (the command line) and `training`. Imports run downward only:
 ros -> runtime -> core, tools -> training -> core; tools reach the ROS side only through
 `replay`, `ask_client` and `dashboard`. Everything but `ros` imports without ROS, so
-`pip install .` gives a working core; only the backend and its kernel binding reach into transformers' Qwen3.5
-modelling code.
+`pip install .` gives a working core; only the backend and its kernel binding reach into
+transformers' Qwen3.5 modelling code.
 """
 
 from __future__ import annotations
