@@ -121,12 +121,13 @@ class DashboardNode(Node):
         goal = AskMemory.Goal(question=question, since=since, until=until)
         self.ask_client.send_goal_async(goal, feedback_callback=feedback) \
             .add_done_callback(accepted)
-        if not done.wait(ASK_TIMEOUT_S):
+        finished = done.wait(ASK_TIMEOUT_S)
+        if not finished:
             self.cancel()
-            return {"success": False, "message": f"no result within {ASK_TIMEOUT_S:.0f} s"}
         with self.goal_lock:
             self.goal = None
-        return box["result"]
+        return box["result"] if finished else {
+            "success": False, "message": f"no result within {ASK_TIMEOUT_S:.0f} s"}
 
     def cancel(self) -> bool:
         """Cancel the goal in flight, if any."""
