@@ -33,7 +33,8 @@ def server():
     for i in range(3):
         state.add_chunk({"index": i, "stream_time": float(i), "drift": 0.1, "kv_tokens": 10,
                          "evicted_tokens": 4 if i == 2 else 0})
-    srv = make_server(state, "127.0.0.1", 0, token="secret", ask=fake_ask)
+    srv = make_server(state, "127.0.0.1", 0, token="secret", ask=fake_ask,
+                      cancel=lambda: True)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield state, f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
@@ -81,6 +82,8 @@ def test_http_state_token_and_body_limit(server):
     code, body = get(f"{url}/ask?token=secret", data=json.dumps({"question": "what?"}).encode())
     assert code == 200
     assert b"event: feedback" in body and b'"a red cube"' in body
+    assert json.loads(get(f"{url}/cancel?token=secret", data=b"")[1]) == {"cancelled": True}
+    assert get(f"{url}/reset?token=secret", data=b"")[0] == 404  # read-only
 
 
 def wait_state(url: str, predicate, timeout: float = 120.0) -> dict:
