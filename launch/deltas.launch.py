@@ -9,7 +9,8 @@
 import os
 
 from ament_index_python.packages import get_package_share_directory
-from launch.actions import DeclareLaunchArgument
+from launch.actions import DeclareLaunchArgument, ExecuteProcess
+from launch.conditions import IfCondition
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
 from launch_ros.parameter_descriptions import ParameterValue
@@ -34,6 +35,9 @@ def generate_launch_description() -> LaunchDescription:
         DeclareLaunchArgument("autostart", default_value="true",
                               description="Configure and activate by itself (false: wait for "
                                           "a lifecycle manager)"),
+        DeclareLaunchArgument("dashboard", default_value="false",
+                              description="Also serve the read-only browser dashboard on "
+                                          "127.0.0.1:8080 (docs/dashboard.md)"),
     ]
     node = LifecycleNode(
         package="deltas_ros",
@@ -53,4 +57,9 @@ def generate_launch_description() -> LaunchDescription:
             },
         ],
     )
-    return LaunchDescription([*arguments, node])
+    # A separate process: the memory node never imports the dashboard.
+    dashboard = ExecuteProcess(
+        cmd=["deltas-ros", "dashboard", "--node",
+             [LaunchConfiguration("namespace"), "/deltas_memory"]],
+        output="screen", condition=IfCondition(LaunchConfiguration("dashboard")))
+    return LaunchDescription([*arguments, node, dashboard])

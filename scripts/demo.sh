@@ -5,8 +5,17 @@
 #   replayed into it over DDS -> a planner's question (by default about the bag's first object)
 #   -> the same bag run offline per policy at a small budget, asked the same -> a plot.
 # Everything lands in $OUT (default out/demo). ROS_DOMAIN_ID defaults to 57.
+# --dashboard: also serve the browser dashboard (docs/dashboard.md) beside the node, and keep
+# both running after the demo until Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+dashboard=false
+for arg in "$@"; do
+  case $arg in
+    --dashboard) dashboard=true ;;
+    *) echo "usage: $0 [--dashboard]" >&2; exit 2 ;;
+  esac
+done
 scripts/setup.sh
 
 out=${OUT:-out/demo}
@@ -49,7 +58,13 @@ echo "== starting the memory node (log: $out/node.log)"
   --params-file config/deltas.yaml -p reliable_qos:=true "${model_args[@]}" \
   > "$out/node.log" 2>&1 &
 node=$!
-trap 'kill -INT $node 2>/dev/null || true; wait $node 2>/dev/null || true' EXIT
+dash=
+trap 'kill -INT $node $dash 2>/dev/null || true; wait $node $dash 2>/dev/null || true' EXIT
+if $dashboard; then
+  "$cli" dashboard --port "${DASHBOARD_PORT:-8080}" > "$out/dashboard.log" 2>&1 &
+  dash=$!
+  echo "== dashboard: http://127.0.0.1:${DASHBOARD_PORT:-8080}/ (log: $out/dashboard.log)"
+fi
 
 echo "== replaying $bag into /camera/image_raw"
 "$cli" replay "$bag" --wait 120 | tail -n 3
@@ -65,3 +80,8 @@ for policy in deltas recency uniform; do
 done
 "$cli" plot "$out"/deltas.jsonl "$out"/recency.jsonl "$out"/uniform.jsonl --out "$out/memory.png"
 echo "== done: answer in $out/answer.txt, plot in $out/memory.png"
+if $dashboard; then
+  echo "== the node and the dashboard keep running at http://127.0.0.1:${DASHBOARD_PORT:-8080}/;" \
+    "Ctrl-C stops both"
+  wait "$node"
+fi

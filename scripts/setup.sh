@@ -7,6 +7,18 @@ cd "$(dirname "$0")/.."
 root=$PWD
 venv=$root/.venv
 
+# The dashboard's browser test drives Debian's chromium (skipped without it): installed when
+# missing, only where apt-get exists and we are root or sudo works without a password.
+if command -v apt-get > /dev/null && ! { command -v chromium && command -v chromedriver; } \
+    > /dev/null; then
+  sudo=()
+  [ "$(id -u)" = 0 ] || sudo=(sudo -n)
+  if [ "$(id -u)" = 0 ] || sudo -n true 2> /dev/null; then
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -q chromium chromium-driver \
+      > /dev/null || echo "setup: chromium not installed (the browser test will skip)" >&2
+  fi
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi

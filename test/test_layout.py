@@ -3,9 +3,9 @@
 The folders are the layers: `core` (the engine), `runtime` (the node's state without ROS),
 `ros` (the ROS 2 side), `tools` (the command line) and `training`. Imports run downward only:
 ros -> runtime -> core, tools -> training -> core; tools reach the ROS side only through
-`replay` and `ask_client`. Everything but `ros` imports without ROS, so `pip install .` gives a
-working core; only the backend and its kernel binding reach into transformers' Qwen3.5
-modelling code.
+`replay`, `ask_client` and `dashboard`. Everything but `ros` imports without ROS, so
+`pip install .` gives a working core; only the backend and its kernel binding reach into
+transformers' Qwen3.5 modelling code.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ALLOWED = {
     "runtime": {"core"},
     "ros": {"runtime", "core"},
     "training": {"core"},
-    "tools": {"training", "core", "ros.replay", "ros.ask_client"},
+    "tools": {"training", "core", "ros.replay", "ros.ask_client", "ros.dashboard"},
 }
 GENERATED = ("deltas_ros.msg", "deltas_ros.srv", "deltas_ros.action")
 ROS_PACKAGES = ("rclpy", "rcl_interfaces", "builtin_interfaces", "std_msgs", "std_srvs",

@@ -40,7 +40,7 @@ def test_launch_file_declares_the_documented_arguments():
         if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "DeclareLaunchArgument"
     }
     assert declared == {"model_path", "image_topic", "params_file", "namespace", "use_sim_time",
-                        "autostart"}
+                        "autostart", "dashboard"}
 
 
 def test_launch_file_overrides_only_real_parameters():

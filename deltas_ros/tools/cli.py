@@ -186,6 +186,13 @@ def ask_command(args: argparse.Namespace) -> int:
     return 0 if response.success else 1
 
 
+def dashboard_command(args: argparse.Namespace) -> int:
+    """Serve a live memory dashboard in the browser (read-only; 127.0.0.1 unless --token)."""
+    from ..ros.dashboard import serve
+
+    return serve(args.node, args.host, args.port, args.token)
+
+
 def train_command(args: argparse.Namespace) -> int:
     """Train the tiny scene model (a Qwen3.5) on generated streams; see training/train.py."""
     from ..training.config import TrainConfig
@@ -333,6 +340,15 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--wait-idle", action="store_true",
                      help="first wait until no chunk is waiting for the model")
     ask.set_defaults(run=ask_command)
+
+    dash = commands.add_parser("dashboard", help=dashboard_command.__doc__)
+    dash.add_argument("--node", default="/deltas_memory", help="the memory node's name")
+    dash.add_argument("--host", default="127.0.0.1",
+                      help="address to bind; anything but loopback requires --token")
+    dash.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free one)")
+    dash.add_argument("--token", default="",
+                      help="required on every request (?token= or an X-Token header)")
+    dash.set_defaults(run=dashboard_command)
 
     train = commands.add_parser("train", help=train_command.__doc__)
     train.add_argument("--config", default="config/train_tiny.yaml", help="training config")

@@ -1,0 +1,163 @@
+"""`deltas_dashboard`: a live memory dashboard in the browser, as a separate plain node.
+
+It only listens to what the memory node already publishes (~/drift, ~/memory_image,
+/diagnostics) and sends goals to its ~/ask action, so it adds no cost to the memory node, which
+never imports it. Read-only: no reset, save or load. The HTTP side is dashboard_http.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.action import ActionClient
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import Image
+
+from ..action import AskMemory
+from ..msg import DriftScore
+from .dashboard_http import DashboardState, check_bind, make_server
+
+ASK_TIMEOUT_S = 120.0
+
+
+def seconds(stamp: Any) -> float:
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+def pose_dict(pose: Any) -> dict | None:
+    """The pose as plain numbers; None when unknown (the messages' empty frame_id)."""
+    if not pose.header.frame_id:
+        return None
+    p, q = pose.pose.position, pose.pose.orientation
+    return {"frame_id": pose.header.frame_id, "x": p.x, "y": p.y, "z": p.z,
+            "qx": q.x, "qy": q.y, "qz": q.z, "qw": q.w}
+
+
+def chunk_dict(msg: DriftScore) -> dict:
+    return {"index": msg.chunk_index, "stream_time": msg.stream_time,
+            "stamp": seconds(msg.header.stamp), "drift": msg.drift,
+            "chunk_tokens": msg.chunk_tokens, "kv_tokens": msg.kv_tokens,
+            "evicted_tokens": msg.evicted_tokens, "pose": pose_dict(msg.pose)}
+
+
+def result_dict(result: Any) -> dict:
+    return {"success": result.success, "message": result.message, "answer": result.answer,
+            "truncated": result.truncated, "evidence_times": list(result.evidence_times),
+            "evidence_stamps": [seconds(s) for s in result.evidence_stamps],
+            "evidence_poses": [pose_dict(p) for p in result.evidence_poses],
+            "memory_tokens": result.memory_tokens,
+            "memory_span": [result.memory_span_start, result.memory_span_end],
+            "latency_ms": result.latency_ms, "generated_tokens": result.generated_tokens}
+
+
+def jpeg_of(msg: Image) -> bytes:
+    """The memory strip as JPEG (cv2 imported here: only the dashboard pays for it)."""
+    import cv2
+    import numpy as np
+
+    rgb = np.frombuffer(bytes(msg.data), np.uint8).reshape(msg.height, msg.step)
+    rgb = rgb[:, :msg.width * 3].reshape(msg.height, msg.width, 3)
+    if msg.encoding == "rgb8":
+        rgb = rgb[:, :, ::-1]
+    ok, data = cv2.imencode(".jpg", rgb)
+    return data.tobytes() if ok else b""
+
+
+class DashboardNode(Node):
+    """Subscribes to one memory node's outputs and keeps the bounded DashboardState."""
+
+    def __init__(self, memory_node: str = "/deltas_memory",
+                 state: DashboardState | None = None) -> None:
+        super().__init__("deltas_dashboard")
+        self.memory_node = memory_node.rstrip("/")
+        self.state = state or DashboardState()
+        self.goal_lock = threading.Lock()
+        self.goal: Any = None
+        self.create_subscription(DriftScore, f"{self.memory_node}/drift",
+                                 lambda m: self.state.add_chunk(chunk_dict(m)), 50)
+        self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.create_subscription(Image, f"{self.memory_node}/memory_image",
+                                 lambda m: self.state.set_image(jpeg_of(m)), latched)
+        self.ask_client = ActionClient(self, AskMemory, f"{self.memory_node}/ask")
+
+    def _on_diagnostics(self, msg: DiagnosticArray) -> None:
+        name = self.memory_node.rsplit("/", 1)[-1]
+        for status in msg.status:
+            if status.name.startswith(f"{name}:"):
+                self.state.set_health({"level": int.from_bytes(status.level, "little")
+                                       if isinstance(status.level, bytes) else int(status.level),
+                                       "message": status.message,
+                                       "values": {kv.key: kv.value for kv in status.values}})
+
+    def ask(self, question: str, since: float, until: float, on_feedback) -> dict:
+        """Send one goal and block until its result; feedback goes to on_feedback as it comes."""
+        if not self.ask_client.wait_for_server(timeout_sec=5.0):
+            return {"success": False, "message": "the ask action is not available"}
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def feedback(msg: Any) -> None:
+            on_feedback({"answer": msg.feedback.answer, "tokens": msg.feedback.tokens})
+
+        def accepted(future: Any) -> None:
+            handle = future.result()
+            if not handle.accepted:
+                box["result"] = {"success": False, "message": "goal rejected"}
+                done.set()
+                return
+            with self.goal_lock:
+                self.goal = handle
+            handle.get_result_async().add_done_callback(
+                lambda f: (box.setdefault("result", result_dict(f.result().result)),
+                           done.set()))
+
+        goal = AskMemory.Goal(question=question, since=since, until=until)
+        self.ask_client.send_goal_async(goal, feedback_callback=feedback) \
+            .add_done_callback(accepted)
+        finished = done.wait(ASK_TIMEOUT_S)
+        if not finished:
+            self.cancel()
+        with self.goal_lock:
+            self.goal = None
+        return box["result"] if finished else {
+            "success": False, "message": f"no result within {ASK_TIMEOUT_S:.0f} s"}
+
+    def cancel(self) -> bool:
+        """Cancel the goal in flight, if any."""
+        with self.goal_lock:
+            goal = self.goal
+        if goal is None:
+            return False
+        goal.cancel_goal_async()
+        return True
+
+
+def serve(memory_node: str, host: str, port: int, token: str = "") -> int:
+    """Run the dashboard node and its HTTP server until Ctrl-C."""
+    check_bind(host, token)
+    rclpy.init()
+    node = DashboardNode(memory_node)
+    server = make_server(node.state, host, port, token, node.ask, node.cancel)
+    executor = MultiThreadedExecutor(num_threads=4)
+    executor.add_node(node)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://{host}:{server.server_address[1]}/"
+    print(f"dashboard: {url}" + ("?token=..." if token else ""), flush=True)
+    try:
+        executor.spin()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        executor.shutdown()
+        node.destroy_node()
+        if rclpy.ok():
+            rclpy.shutdown()
+    return 0

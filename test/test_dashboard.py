@@ -1,0 +1,165 @@
+"""The browser dashboard: its HTTP rules without ROS, then against a real memory node over DDS,
+then in a real headless chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from ros_helpers import Tester, start, stop
+
+from deltas_ros.ros.dashboard_http import DashboardState, check_bind, make_server
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_ask(question: str, since: float, until: float, on_feedback) -> dict:
+    on_feedback({"answer": "a red", "tokens": 2})
+    return {"success": True, "answer": "a red cube", "evidence_times": [1.0]}
+
+
+@pytest.fixture
+def server():
+    state = DashboardState(chunks=5, max_clients=2)
+    for i in range(3):
+        state.add_chunk({"index": i, "stream_time": float(i), "drift": 0.1, "kv_tokens": 10,
+                         "evicted_tokens": 4 if i == 2 else 0})
+    srv = make_server(state, "127.0.0.1", 0, token="secret", ask=fake_ask,
+                      cancel=lambda: True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield state, f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def get(url: str, data: bytes | None = None, headers: dict | None = None):
+    request = urllib.request.Request(url, data=data, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def test_a_non_loopback_host_needs_a_token():
+    check_bind("127.0.0.1", "")
+    check_bind("::1", "")
+    check_bind("0.0.0.0", "t")
+    with pytest.raises(ValueError, match="token"):
+        check_bind("0.0.0.0", "")
+    with pytest.raises(ValueError, match="token"):
+        make_server(DashboardState(), "192.168.1.2", 0)
+
+
+def test_buffers_and_clients_are_bounded():
+    state = DashboardState(chunks=4, max_clients=2)
+    for i in range(10):
+        state.add_chunk({"index": i, "evicted_tokens": i % 2})
+    snap = state.snapshot()
+    assert [c["index"] for c in snap["chunks"]] == [6, 7, 8, 9]
+    assert all(c["evicted_tokens"] > 0 for c in snap["evictions"])
+    assert state.subscribe() and state.subscribe() and state.subscribe() is None
+
+
+def test_http_state_token_and_body_limit(server):
+    state, url = server
+    assert get(f"{url}/state")[0] == 401
+    code, body = get(f"{url}/state?token=secret")
+    assert code == 200 and [c["index"] for c in json.loads(body)["chunks"]] == [0, 1, 2]
+    assert json.loads(body)["evictions"][0]["index"] == 2
+    assert get(f"{url}/", headers={"X-Token": "secret"})[1].startswith(b"<!doctype html>")
+    assert get(f"{url}/memory.jpg?token=secret")[0] == 404
+    assert get(f"{url}/ask?token=secret", data=b"x" * 5000)[0] == 413
+    code, body = get(f"{url}/ask?token=secret", data=json.dumps({"question": "what?"}).encode())
+    assert code == 200
+    assert b"event: feedback" in body and b'"a red cube"' in body
+    assert json.loads(get(f"{url}/cancel?token=secret", data=b"")[1]) == {"cancelled": True}
+    assert get(f"{url}/reset?token=secret", data=b"")[0] == 404  # read-only
+
+
+def wait_state(url: str, predicate, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code, body = get(f"{url}/state")
+        if code == 200 and predicate(state := json.loads(body)):
+            return state
+        time.sleep(0.5)
+    raise TimeoutError("the dashboard never saw that")
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir, ros_domain):
+    """A memory node fed a few seconds of frames, and `deltas-ros dashboard` beside it."""
+    node = start(tiny_model_dir, ros_domain, reliable_qos="true")
+    env = dict(ros_domain, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    dash = subprocess.Popen(
+        [sys.executable, "-m", "deltas_ros.tools.cli", "dashboard", "--port", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tester = Tester()
+    try:
+        url = dash.stdout.readline().split()[-1].rstrip("/")
+        assert url.startswith("http://127.0.0.1:"), url
+        tester.wait_ready(node)
+        tester.stream(3.0)
+        tester.wait_for(lambda: len(tester.drift) >= 3, timeout=180)
+        yield url
+    finally:
+        tester.close()
+        dash.terminate()
+        dash.wait(timeout=30)
+        stop(node)
+
+
+@pytest.mark.ros
+@pytest.mark.slow
+def test_dashboard_sees_chunks_and_answers(live):
+    state = wait_state(live, lambda s: len(s["chunks"]) >= 3 and s["health"])
+    assert state["chunks"][0]["stream_time"] >= 0 and state["health"]["values"]["lifecycle"]
+    code, body = get(f"{live}/ask", data=json.dumps({"question": "What did you see?"}).encode())
+    result = json.loads(body.decode().split("event: result\ndata: ")[1].split("\n")[0])
+    assert code == 200 and result["success"], result
+    assert result["evidence_times"] and len(result["evidence_stamps"]) == len(
+        result["evidence_times"])
+
+
+@pytest.mark.ros
+@pytest.mark.slow
+def test_the_page_in_headless_chromium(live):
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("chromium and chromium-driver are not installed (scripts/setup.sh)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1000"):
+        options.add_argument(arg)
+    browser = webdriver.Chrome(options=options, service=Service(driver))
+    try:
+        browser.get(f"{live}/")
+        wait = WebDriverWait(browser, 60)
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#timeline rect.bar")))
+        browser.find_element(By.ID, "question").send_keys("What did you see?")
+        browser.find_element(By.ID, "ask").click()
+        wait = WebDriverWait(browser, 180)
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#evidence.has-evidence")))
+        assert browser.find_element(By.ID, "answer").text.strip() not in ("", "…")
+        assert browser.find_elements(By.CSS_SELECTOR, "#timeline rect.bar.evidence")
+        if path := os.environ.get("DELTAS_DASHBOARD_PNG"):
+            browser.save_screenshot(path if path.endswith(".png") else
+                                    str(REPO / "docs" / "dashboard.png"))
+    finally:
+        browser.quit()
