@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--window", type=int, default=14, help="recent window (tokens)")
     parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES),
                         choices=[*POLICY_NAMES, PIXEL_DIFF])
-    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=48,
+                        help="long enough for a busy answer naming every object of a shape")
     add_answers_args(parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
