@@ -52,7 +52,7 @@ if [ -n "${MODEL:-}" ]; then
 fi
 
 export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-57} ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
-export ROS_LOG_DIR=$PWD/$out/ros_log
+export ROS_LOG_DIR=$(realpath -m "$out")/ros_log
 echo "== starting the memory node (log: $out/node.log)"
 .venv/lib/deltas_ros/memory_node --ros-args -r __node:=deltas_memory \
   --params-file config/deltas.yaml -p reliable_qos:=true "${model_args[@]}" \
