@@ -285,16 +285,21 @@ class WriteStrengthPolicy(RetentionPolicy):
         return torch.full((chunk.num_tokens,), float(chunk.write_strength))
 
 
-class SurprisePolicy(RetentionPolicy):
+class RecordedPolicy(RetentionPolicy):
+    """Each token by the per-token signal the gated delta prefill records for it (`records`)."""
+
+    scores_chunks = False
+
+    def score(self, chunk: ChunkSignals) -> torch.Tensor:
+        return chunk.recorded.float()
+
+
+class SurprisePolicy(RecordedPolicy):
     """State surprise: each token by its write against the state before the chunk
     (signals.state_surprise), so a chunk keeps the tokens the state did not predict."""
 
     name = "surprise"
     records = "surprise"
-    scores_chunks = False
-
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return chunk.recorded.float()
 
 
 class DeltaSSurprisePolicy(RetentionPolicy):
@@ -341,16 +346,12 @@ class StreamMemPolicy(RetentionPolicy):
         return chunk.saliency.float()
 
 
-class BetaErrorPolicy(RetentionPolicy):
+class BetaErrorPolicy(RecordedPolicy):
     """The paper's token-level state baseline: beta_t * ||v_t - alpha_t S_{t-1} k_t|| per
     token, replayed token by token with decay (drift.write_strength), not averaged per chunk."""
 
     name = "beta_error"
     records = "write_strength"
-    scores_chunks = False
-
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return chunk.recorded.float()
 
 
 class PixelDifferencePolicy(RetentionPolicy):
