@@ -26,12 +26,12 @@ from .adapters import to_time_msg
 POSE_TYPES = {"odometry": Odometry, "pose_stamped": PoseStamped,
               "pose_with_covariance": PoseWithCovarianceStamped}
 POSE_HISTORY = 2000  # poses kept: 20 s of 100 Hz odometry
-POSE_QUEUE = 50
+POSE_QUEUE = 500  # 5 s of 100 Hz odometry: a busy executor takes them late, not never
 # A chunk whose stamp is past the newest pose waits this long (wall) for the pose after it while
 # poses flow (one arrived in the last POSE_FLOWING_S): the pose stream, on the node's executor,
 # may run a little behind the camera's thread, and the newest pose alone is a stale one.
-POSE_WAIT_S = 0.2
-POSE_FLOWING_S = 1.0
+POSE_WAIT_S = 1.0
+POSE_FLOWING_S = 2.0
 
 
 def pose_of(msg: Odometry | PoseStamped | PoseWithCovarianceStamped) -> tuple[float, Pose]:
