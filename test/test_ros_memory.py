@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -178,3 +179,34 @@ def test_the_reasoning_travels_apart_from_the_answer(target):
     msg = target()
     fill_answer(msg, answer)
     assert (msg.answer, msg.reasoning) == ("red", "the cube on the left is red")
+
+
+def test_the_memory_image_follows_every_chunk_before_any_eviction(ros_env):
+    """A memory below its budget evicts nothing, yet a viewer (rqt, the dashboard) sees each new
+    chunk's thumbnail; an evicted chunk's thumbnail leaves the strip."""
+    import numpy as np
+    import rclpy
+
+    from deltas_ros.core.results import ChunkResult
+    from deltas_ros.runtime.image import GAP, THUMB_W
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        node = rclpy.create_node("memory_image_test", context=context)
+        topic = ros_memory.MemoryImageTopic(node, 8)
+        published = []
+        topic.publisher = SimpleNamespace(publish=published.append)
+        frame = np.full((48, 64, 3), 128, np.uint8)
+        for index in range(3):
+            result = ChunkResult(index, float(index), 0.1, [], 10, 10 * (index + 1), 0,
+                                 1.0, 0.1, 0.1, stamp=STAMP + index)
+            topic.chunk_done(result, frame, list(range(index + 1)), "camera")
+        tiles = [(msg.width - GAP) // (THUMB_W + GAP) for msg in published]
+        assert tiles == [1, 2, 3]
+        evicting = ChunkResult(3, 3.0, 0.1, [], 10, 30, 10, 1.0, 0.1, 0.1, stamp=STAMP + 3)
+        topic.chunk_done(evicting, frame, [0, 2, 3], "camera")
+        assert (published[-1].width - GAP) // (THUMB_W + GAP) == 3
+        node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)

@@ -10,7 +10,7 @@ runtime/worker.py:
         action.py (~/ask) -> Session.ask / Session.operate -> the worker, between chunks
     pose_topic (optional) -> PoseInput; the worker tags each chunk with the pose at its stamp
     MemoryWorker -> Session.chunk_done -> ~/drift (DriftScore, one per chunk), ~/memory_image
-        after an eviction; 1 Hz timer -> /diagnostics
+        after every chunk; 1 Hz timer -> /diagnostics
 
 executable.py is the executable around it. Threads: a MultiThreadedExecutor runs the timer,
 the lifecycle transitions, the memory services and the parameter services in separate callback
