@@ -17,7 +17,7 @@ Decisions the paper leaves open (see deltas-spec.md):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -210,108 +210,32 @@ class RetentionPolicy:
         """Forget the stream (a new one starts, or a saved one is loaded)."""
 
 
-class DeltaSPolicy(RetentionPolicy):
-    """State drift: every token of a chunk gets the chunk's drift."""
+class ChunkScorePolicy(RetentionPolicy):
+    """One score per chunk, `chunk_score(chunk)`, given to each of its tokens: DeltaS and the
+    per-chunk baselines (eviction by runs applies)."""
 
-    name = "deltas"
-
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return torch.full((chunk.num_tokens,), chunk.drift)
-
-
-class RecencyPolicy(RetentionPolicy):
-    """Sliding window: one bucket scored by arrival, so the newest M - n_s slots stay."""
-
-    name = "recency"
-    buckets = 1
+    def __init__(self, name: str, chunk_score: Callable[[ChunkSignals], float],
+                 buckets: int | None = None, records: str | None = None) -> None:
+        self.name, self.chunk_score, self.buckets, self.records = (name, chunk_score, buckets,
+                                                                   records)
 
     def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return torch.full((chunk.num_tokens,), float(chunk.index))
+        return torch.full((chunk.num_tokens,), float(self.chunk_score(chunk)))
 
 
-class UniformPolicy(RetentionPolicy):
-    """Evenly spaced chunks: the van der Corput number of the chunk index as score.
-
-    The top-k of that low-discrepancy sequence over any range of indices is spread evenly across
-    the range, and it stays so as chunks arrive and are evicted.
-    """
-
-    name = "uniform"
-
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return torch.full((chunk.num_tokens,), _van_der_corput(chunk.index + 1))
-
-
-class RandomPolicy(RetentionPolicy):
-    """A seeded random score per chunk (reproducible for a given seed and chunk index)."""
-
-    name = "random"
-
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
-
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + chunk.index)
-        return torch.full((chunk.num_tokens,), torch.rand((), generator=gen).item())
-
-
-class ValueNormPolicy(RetentionPolicy):
-    """VaN: per-token value norm, averaged over full-attention layers and KV heads."""
-
-    name = "value_norm"
-    scores_chunks = False
-
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return _mean_token_norm(chunk.values)
-
-
-class KeyNormPolicy(RetentionPolicy):
-    """Per-token key norm (post-rotary), averaged over full-attention layers and KV heads."""
-
-    name = "key_norm"
-    scores_chunks = False
-
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return _mean_token_norm(chunk.keys)
-
-
-class WriteStrengthPolicy(RetentionPolicy):
-    """beta * ||e||: the gated delta rule's token-level write strength, averaged per chunk."""
-
-    name = "write_strength"
-    records = "write_strength"
-
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return torch.full((chunk.num_tokens,), float(chunk.write_strength))
-
-
-class RecordedPolicy(RetentionPolicy):
-    """Each token by the per-token signal the gated delta prefill records for it (`records`)."""
+class TokenScorePolicy(RetentionPolicy):
+    """A score per token, `token_score(chunk)` -> (num_tokens,): a chunk that only partly fits
+    its bucket keeps its best tokens."""
 
     scores_chunks = False
 
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return chunk.recorded.float()
-
-
-class SurprisePolicy(RecordedPolicy):
-    """State surprise: each token by its write against the state before the chunk
-    (signals.state_surprise), so a chunk keeps the tokens the state did not predict."""
-
-    name = "surprise"
-    records = "surprise"
-
-
-class DeltaSSurprisePolicy(RetentionPolicy):
-    """DeltaS across chunks, surprise within one: a bucket fills with the highest-drift chunks,
-    and the chunk that only partly fits keeps its most surprising tokens."""
-
-    name = "deltas_surprise"
-    records = "surprise"
-    scores_chunks = False
+    def __init__(self, name: str, token_score: Callable[[ChunkSignals], torch.Tensor],
+                 records: str | None = None, needs_saliency: bool = False) -> None:
+        self.name, self.token_score, self.records = name, token_score, records
+        self.needs_saliency = needs_saliency
 
     def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return lexicographic(chunk.drift, chunk.recorded)
+        return self.token_score(chunk).float()
 
 
 class InfiniPotVPolicy(RetentionPolicy):
@@ -334,26 +258,6 @@ class InfiniPotVPolicy(RetentionPolicy):
         self.previous = None
 
 
-class StreamMemPolicy(RetentionPolicy):
-    """StreamMem's saliency: the attention that the chat template's generic query (the
-    assistant-turn opening) puts on each token over the full-attention layers, at arrival."""
-
-    name = "streammem"
-    needs_saliency = True
-    scores_chunks = False
-
-    def score(self, chunk: ChunkSignals) -> torch.Tensor:
-        return chunk.saliency.float()
-
-
-class BetaErrorPolicy(RecordedPolicy):
-    """The paper's token-level state baseline: beta_t * ||v_t - alpha_t S_{t-1} k_t|| per
-    token, replayed token by token with decay (drift.write_strength), not averaged per chunk."""
-
-    name = "beta_error"
-    records = "write_strength"
-
-
 class PixelDifferencePolicy(RetentionPolicy):
     """Mean absolute pixel change from the previous chunk's frames, one score per chunk."""
 
@@ -372,20 +276,58 @@ class PixelDifferencePolicy(RetentionPolicy):
 
 
 def make_policy(name: str, seed: int = 0) -> RetentionPolicy:
-    """The retention policy called `name` (one of POLICY_NAMES)."""
-    policies = {
-        "deltas": DeltaSPolicy, "recency": RecencyPolicy, "uniform": UniformPolicy,
-        "value_norm": ValueNormPolicy, "key_norm": KeyNormPolicy,
-        "write_strength": WriteStrengthPolicy, "surprise": SurprisePolicy,
-        "deltas_surprise": DeltaSSurprisePolicy, "infinipot_v": InfiniPotVPolicy,
-        "streammem": StreamMemPolicy, "beta_error": BetaErrorPolicy,
-        "pixel_difference": PixelDifferencePolicy,
-    }
-    if name == "random":
-        return RandomPolicy(seed)
-    if name not in policies:
+    """The retention policy called `name` (one of POLICY_NAMES), a fresh instance."""
+    if name not in POLICY_NAMES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
-    return policies[name]()
+    if name == "infinipot_v":
+        return InfiniPotVPolicy()
+    if name == "pixel_difference":
+        return PixelDifferencePolicy()
+    if name in CHUNK_SCORES:
+        score, buckets, records = CHUNK_SCORES[name]
+        return ChunkScorePolicy(name, lambda chunk: score(chunk, seed), buckets, records)
+    score, records, needs_saliency = TOKEN_SCORES[name]
+    return TokenScorePolicy(name, score, records, needs_saliency)
+
+
+# name -> (score of a chunk given the seed, buckets pinned or None, signal the prefill records)
+CHUNK_SCORES: dict[str, tuple[Callable[[ChunkSignals, int], float], int | None, str | None]] = {
+    # DeltaS: the chunk's state drift.
+    "deltas": (lambda c, _: c.drift, None, None),
+    # Sliding window: one bucket scored by arrival, so the newest M - n_s slots stay.
+    "recency": (lambda c, _: c.index, 1, None),
+    # Evenly spaced chunks: the top-k of the van der Corput sequence over any range of indices
+    # is spread evenly across it, and stays so as chunks arrive and are evicted.
+    "uniform": (lambda c, _: _van_der_corput(c.index + 1), None, None),
+    # A seeded random score per chunk, reproducible for a seed and chunk index.
+    "random": (lambda c, seed: _seeded_uniform(seed, c.index), None, None),
+    # beta * ||e||: the gated delta rule's token-level write strength, averaged per chunk.
+    "write_strength": (lambda c, _: c.write_strength, None, "write_strength"),
+}
+# name -> (per-token scores of a chunk, signal the prefill records, needs the proxy saliency)
+TOKEN_SCORES: dict[str, tuple[Callable[[ChunkSignals], torch.Tensor], str | None, bool]] = {
+    # VaN: value norm, averaged over full-attention layers and KV heads.
+    "value_norm": (lambda c: _mean_token_norm(c.values), None, False),
+    # Key norm (post-rotary), averaged over full-attention layers and KV heads.
+    "key_norm": (lambda c: _mean_token_norm(c.keys), None, False),
+    # State surprise: each token's write against the state before the chunk
+    # (signals.state_surprise): a chunk keeps the tokens the state did not predict.
+    "surprise": (lambda c: c.recorded, "surprise", False),
+    # DeltaS across chunks, surprise within one: a bucket fills with the highest-drift chunks,
+    # and the chunk that only partly fits keeps its most surprising tokens.
+    "deltas_surprise": (lambda c: lexicographic(c.drift, c.recorded), "surprise", False),
+    # StreamMem's saliency: the attention the chat template's generic query (the assistant-turn
+    # opening) puts on each token over the full-attention layers, at arrival.
+    "streammem": (lambda c: c.saliency, None, True),
+    # The paper's token-level state baseline: beta_t * ||v_t - alpha_t S_{t-1} k_t|| per token,
+    # replayed token by token with decay (drift.write_strength), not averaged per chunk.
+    "beta_error": (lambda c: c.recorded, "write_strength", False),
+}
+
+
+def _seeded_uniform(seed: int, index: int) -> float:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return torch.rand((), generator=gen).item()
 
 
 def _mean_token_norm(per_layer: list[torch.Tensor]) -> torch.Tensor:
