@@ -34,6 +34,9 @@ class FakeMemory:
         self.log.append(("chunk", index))
         return index
 
+    def add_sampled(self, chunk, pose=None):
+        return self.add_chunk(chunk.frames, chunk.times, chunk.stamps[-1], pose)
+
     def ask(self, question, max_new_tokens=None, cancelled=None, **options):
         """(The worker always passes `cancelled`: its own stop joined with the caller's.)"""
         if not question:

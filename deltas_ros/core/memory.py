@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from .results import Answer, ChunkResult, MemoryState, MemoryStats
 from .signals import layer_mean, proxy_saliency
 from .slots import PREFIX_CHUNK, SlotTable
 from .state_check import check_state
+
+if TYPE_CHECKING:
+    from .frames import SampledChunk
 
 __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState", "MemoryStats",
            "PREFIX_CHUNK", "QuestionFailed", "StreamingMemory", "question_problem"]
@@ -120,6 +123,11 @@ class StreamingMemory:
         return self._rolled_back_on_failure(
             lambda snapshot: self._ingest(chunk, stamp, snapshot, freed, pose, frames),
             ChunkFailed, f"chunk {self.chunks_seen}")
+
+    def add_sampled(self, chunk: SampledChunk, pose: Pose | None = None) -> ChunkResult:
+        """Ingest a chunk the frame sampler completed, stamped with its last frame's stamp: the
+        one call the node's worker and offline runs make for each chunk."""
+        return self.add_chunk(chunk.frames, chunk.times, stamp=chunk.stamps[-1], pose=pose)
 
     def _ingest(
         self, chunk: Chunk, stamp: float | None, snapshot: _Snapshot, freed: int,

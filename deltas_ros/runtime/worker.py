@@ -309,8 +309,7 @@ class MemoryWorker:
     def _process_chunk(self, chunk: SampledChunk) -> None:
         start = time.perf_counter()
         try:
-            result = self.memory.add_chunk(chunk.frames, chunk.times, stamp=chunk.stamps[-1],
-                                           pose=self.pose_at(chunk.stamps[-1]))
+            result = self.memory.add_sampled(chunk, pose=self.pose_at(chunk.stamps[-1]))
         except Exception as error:  # a failed chunk must not stop the worker
             self.counters.chunks_failed += 1
             self._note_error(f"chunk {chunk.index} failed: {error}")

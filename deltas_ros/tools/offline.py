@@ -1,8 +1,10 @@
 """Offline runs: a bag or a video file fed straight into the memory, with no ROS graph.
 
-The engine path is the node's (node.py): every frame goes through a FrameGate (sampling by header
-stamp, decoding only the frames it samples), a stamp jumping back resets the memory, and each
-completed chunk goes to `StreamingMemory.add_chunk` with its last stamp. So an offline run of a
+The engine path is the node's: every frame goes through a FrameGate (sampling by header stamp,
+decoding only the frames it samples), a stamp jumping back resets the memory, and each completed
+chunk goes to `StreamingMemory.add_sampled`. The node makes the same calls on its worker thread
+(runtime/session.py queues them in order); here they are made inline, and the node's save before
+a jump-back reset is left out (an offline run writes no memory files). So an offline run of a
 bag gives the chunks, stream times and drift the node publishes when the bag is replayed to it.
 
     source = open_source("run.bag")                  # or "run.mp4": stamps = index / fps
@@ -197,7 +199,7 @@ def run_stream(
         if outcome.error:
             reasons[outcome.error] += 1
         for chunk in outcome.chunks:
-            result = memory.add_chunk(chunk.frames, chunk.times, stamp=chunk.stamps[-1])
+            result = memory.add_sampled(chunk)
             record = ChunkRecord.from_result(chunk, result)
             summary.records.append(record)
             if on_chunk is not None:
