@@ -130,6 +130,47 @@ def report(table: dict[str, Any], records: list[dict]) -> str:
     return text
 
 
+def plot(table: dict[str, Any], out: Path) -> Path:
+    """% correct against the budget, a panel per stream length, a line per policy; full
+    memory and state only as horizontal lines (they do not depend on the budget)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({int(s) for per in table.values() for s in per})
+    policies = sorted({c.split("@")[0] for c in table if "@" in c})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6.5 * len(lengths), 4.5), sharey=True,
+                             squeeze=False)
+    for ax, seconds in zip(axes[0], lengths):
+        for name, style in ((FULL, "k-"), (STATE, "k:")):
+            hits = table.get(name, {}).get(str(seconds), {}).get("all")
+            if hits:
+                ax.axhline(100 * hits[0] / hits[1], color="k", linestyle=style[1:], label=name)
+        for i, policy in enumerate(policies):
+            cells = sorted((float(c.split("@")[1]), table[c][str(seconds)]["all"])
+                           for c in table if c.split("@")[0] == policy
+                           and str(seconds) in table[c])
+            if cells:
+                ax.plot([100 * f for f, _ in cells], [100 * h / n for _, (h, n) in cells],
+                        marker="os^vD"[i % 5], color=plt.cm.tab20(i % 20),
+                        linewidth=2.5 if policy.startswith("deltas") else 1.2, label=policy)
+        budgets = sorted({100 * float(c.split("@")[1]) for c in table if "@" in c})
+        ax.set_xscale("log")
+        ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+        ax.minorticks_off()
+        ax.set_title(f"{seconds} s streams")
+        ax.set_xlabel("budget (% of the stream's tokens)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel('"Did you see ...?" % correct')
+    axes[0][-1].legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "busy_retention.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=8, help="streams per length")
@@ -150,7 +191,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["table"] = table
     title = (f"Retention in the busy world: {Path(results['model']).name}, {args.objects} "
              "objects a stream")
-    return finish(args.out, results, title, report(table, records))
+    body = report(table, records)
+    body += f"\n![retention per policy]({plot(table, args.out).name})\n"
+    return finish(args.out, results, title, body)
 
 
 if __name__ == "__main__":

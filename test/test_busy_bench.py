@@ -78,3 +78,5 @@ def test_busy_retention_bench_runs(tmp_path):
     assert all(set(per) == {"12"} and "all" in per["12"] for per in table.values())
     report = (tmp_path / "busy_retention.md").read_text()
     assert "| condition | early | middle | late | never shown |" in report
+    assert "![retention per policy](busy_retention.png)" in report
+    assert (tmp_path / "busy_retention.png").stat().st_size > 10_000
