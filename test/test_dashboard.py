@@ -50,6 +50,10 @@ def get(url: str, data: bytes | None = None, headers: dict | None = None):
         return error.code, error.read()
 
 
+def sse_result(reply: str) -> dict:
+    return json.loads(reply.split("event: result\ndata: ")[1].split("\n")[0])
+
+
 def test_a_non_loopback_host_needs_a_token():
     check_bind("127.0.0.1", "")
     check_bind("::1", "")
@@ -125,10 +129,28 @@ def test_dashboard_sees_chunks_and_answers(live):
     state = wait_state(live, lambda s: len(s["chunks"]) >= 3 and s["health"])
     assert state["chunks"][0]["stream_time"] >= 0 and state["health"]["values"]["lifecycle"]
     code, body = get(f"{live}/ask", data=json.dumps({"question": "What did you see?"}).encode())
-    result = json.loads(body.decode().split("event: result\ndata: ")[1].split("\n")[0])
+    result = sse_result(body.decode())
     assert code == 200 and result["success"], result
     assert result["evidence_times"] and len(result["evidence_stamps"]) == len(
         result["evidence_times"])
+
+
+# Records what the page sends to /ask and the reply it streams back (a clone of the response).
+FETCH_SPY = """
+window.asked = [];
+const plain = window.fetch;
+window.fetch = async (url, options) => {
+  const response = await plain(url, options);
+  if (String(url).startsWith("/ask"))
+    window.asked.push({body: options.body, reply: response.clone().text()});
+  return response;
+};
+"""
+LAST_ASK = """
+const done = arguments[arguments.length - 1];
+const last = window.asked[window.asked.length - 1];
+last.reply.then((reply) => done({body: last.body, reply}));
+"""
 
 
 @pytest.mark.ros
@@ -139,6 +161,7 @@ def test_the_page_in_headless_chromium(live):
         pytest.skip("chromium and chromium-driver are not installed (scripts/setup.sh)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -148,18 +171,39 @@ def test_the_page_in_headless_chromium(live):
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1000"):
         options.add_argument(arg)
     browser = webdriver.Chrome(options=options, service=Service(driver))
+
+    def value(input_id: str) -> float:
+        return float(browser.find_element(By.ID, input_id).get_attribute("value"))
+
     try:
         browser.get(f"{live}/")
         wait = WebDriverWait(browser, 60)
         wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#timeline rect.bar")))
+        # Drag from 40 % of the timeline to its right end: the newer chunks only.
+        timeline = browser.find_element(By.ID, "timeline")
+        width = timeline.size["width"]
+        ActionChains(browser).move_to_element_with_offset(timeline, int(-0.1 * width), 0) \
+            .click_and_hold().move_by_offset(int(0.59 * width), 0).release().perform()
+        since, until = value("since"), value("until")
+        assert 0 < since < until, (since, until)
+        assert browser.find_elements(By.CSS_SELECTOR, "#timeline rect.window")
+        browser.execute_script(FETCH_SPY)
         browser.find_element(By.ID, "question").send_keys("What did you see?")
         browser.find_element(By.ID, "ask").click()
         wait = WebDriverWait(browser, 180)
         wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#evidence.has-evidence")))
         assert browser.find_element(By.ID, "answer").text.strip() not in ("", "…")
         assert browser.find_elements(By.CSS_SELECTOR, "#timeline rect.bar.evidence")
+        asked = browser.execute_async_script(LAST_ASK)
+        assert json.loads(asked["body"])["window"] == [since, until]
+        result = sse_result(asked["reply"])
+        assert result["success"] and result["evidence_times"], result
+        assert all(since <= t <= until for t in result["evidence_times"]), (since, until, result)
         if path := os.environ.get("DELTAS_DASHBOARD_PNG"):
             browser.save_screenshot(path if path.endswith(".png") else
                                     str(REPO / "docs" / "dashboard.png"))
+        browser.find_element(By.ID, "clear").click()
+        assert (value("since"), value("until")) == (0, 0)
+        assert not browser.find_elements(By.CSS_SELECTOR, "#timeline rect.window")
     finally:
         browser.quit()
