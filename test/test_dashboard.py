@@ -1,8 +1,14 @@
 """The browser dashboard: its HTTP rules without ROS, then against a real memory node over DDS,
-then in a real headless chromium."""
+then in a real headless chromium, then as launch/deltas.launch.py starts it beside a node in a
+namespace.
+
+`ros2 launch` itself is not installable here (launch and launch_ros are not on PyPI), so the
+launch file's dashboard command is read from its source (as test_params.py reads its arguments),
+formed for a namespace the way launch joins a substitution list, and run as it is."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -15,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from ros_helpers import Tester, start, stop
+from ros_helpers import SMALL, Tester, node_command, start, stop
 
 from deltas_ros.ros.dashboard_http import DashboardState, check_bind, make_server
 
@@ -207,3 +213,68 @@ def test_the_page_in_headless_chromium(live):
         assert not browser.find_elements(By.CSS_SELECTOR, "#timeline rect.window")
     finally:
         browser.quit()
+
+
+def substitute(node: ast.expr, arguments: dict[str, str]) -> str:
+    """A launch substitution as text: a string, LaunchConfiguration(name), or a list of them
+    (launch concatenates a list)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "LaunchConfiguration":
+        return arguments[node.args[0].value]
+    if isinstance(node, ast.List):
+        return "".join(substitute(part, arguments) for part in node.elts)
+    raise AssertionError(f"unexpected substitution in the launch file: {ast.unparse(node)}")
+
+
+def dashboard_command(namespace: str) -> list[str]:
+    """The dashboard ExecuteProcess's cmd for `namespace:=<namespace>`."""
+    tree = ast.parse((REPO / "launch" / "deltas.launch.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", "") == "ExecuteProcess")
+    cmd = next(k.value for k in call.keywords if k.arg == "cmd")
+    return [substitute(part, {"namespace": namespace}) for part in cmd.elts]
+
+
+def test_the_launch_command_names_the_node_in_its_namespace():
+    assert dashboard_command("") == ["deltas-ros", "dashboard", "--node", "/deltas_memory"]
+    assert dashboard_command("robot1")[-1] in ("robot1/deltas_memory", "/robot1/deltas_memory")
+    setup = (REPO / "setup.py").read_text()
+    assert '"deltas-ros = deltas_ros.tools.cli:main"' in setup  # what cmd[0] runs
+
+
+@pytest.mark.ros
+@pytest.mark.slow
+@pytest.mark.parametrize("namespace", ["robot1", ""])
+def test_the_launched_dashboard_sees_a_namespaced_node(namespace, tiny_model_dir, ros_env):
+    """As `ros2 launch deltas_ros deltas.launch.py namespace:=<ns> dashboard:=true` would run
+    them (launch_ros makes a relative namespace absolute for the node)."""
+    command = node_command(tiny_model_dir, "/camera/image_raw", reliable_qos="true", **SMALL)
+    if namespace:
+        command += ["-r", f"__ns:=/{namespace}"]
+    node = subprocess.Popen(command, env=ros_env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    cmd = dashboard_command(namespace)
+    env = dict(ros_env, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # `deltas-ros` is deltas_ros.tools.cli:main; port 0 only so that tests never collide.
+    dash = subprocess.Popen([sys.executable, "-m", "deltas_ros.tools.cli", *cmd[1:],
+                             "--port", "0"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    tester = Tester(namespace=f"/{namespace}/deltas_memory" if namespace else "/deltas_memory")
+    try:
+        line = dash.stdout.readline()
+        assert line.startswith("dashboard: http://127.0.0.1:"), (line, dash.stderr.read())
+        url = line.split()[-1].rstrip("/")
+        tester.wait_ready(node)
+        tester.stream(3.0)
+        tester.wait_for(lambda: len(tester.drift) >= 3, timeout=180)
+        state = wait_state(url, lambda s: len(s["chunks"]) >= 3 and s["health"] and s["image"])
+        assert [c["index"] for c in state["chunks"]][:3] == [m.chunk_index
+                                                             for m in tester.drift[:3]]
+        code, body = get(f"{url}/ask", data=json.dumps({"question": "What?"}).encode())
+        assert code == 200 and sse_result(body.decode())["success"]
+    finally:
+        tester.close()
+        dash.terminate()
+        dash.wait(timeout=30)
+        stop(node)
