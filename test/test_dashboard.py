@@ -106,6 +106,14 @@ def wait_state(url: str, predicate, timeout: float = 120.0) -> dict:
     raise TimeoutError("the dashboard never saw that")
 
 
+def wait_matched(url: str, tester: Tester, node: str) -> None:
+    """Until the dashboard hears the node (its diagnostics) and subscribes to its drift: a
+    chunk published before that is never seen by the dashboard (~/drift is volatile), and these
+    tests stream only three."""
+    wait_state(url, lambda s: s["health"])
+    tester.wait_for(lambda: tester.node.count_subscribers(f"{node}/drift") >= 2)
+
+
 @pytest.fixture(scope="module")
 def live(tiny_model_dir, ros_domain):
     """A memory node fed a few seconds of frames, and `deltas-ros dashboard` beside it."""
@@ -119,6 +127,7 @@ def live(tiny_model_dir, ros_domain):
         url = dash.stdout.readline().split()[-1].rstrip("/")
         assert url.startswith("http://127.0.0.1:"), url
         tester.wait_ready(node)
+        wait_matched(url, tester, "/deltas_memory")
         tester.stream(3.0)
         tester.wait_for(lambda: len(tester.drift) >= 3, timeout=180)
         yield url
@@ -260,12 +269,14 @@ def test_the_launched_dashboard_sees_a_namespaced_node(namespace, tiny_model_dir
     dash = subprocess.Popen([sys.executable, "-m", "deltas_ros.tools.cli", *cmd[1:],
                              "--port", "0"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    tester = Tester(namespace=f"/{namespace}/deltas_memory" if namespace else "/deltas_memory")
+    name = f"/{namespace}/deltas_memory" if namespace else "/deltas_memory"
+    tester = Tester(namespace=name)
     try:
         line = dash.stdout.readline()
         assert line.startswith("dashboard: http://127.0.0.1:"), (line, dash.stderr.read())
         url = line.split()[-1].rstrip("/")
         tester.wait_ready(node)
+        wait_matched(url, tester, name)
         tester.stream(3.0)
         tester.wait_for(lambda: len(tester.drift) >= 3, timeout=180)
         state = wait_state(url, lambda s: len(s["chunks"]) >= 3 and s["health"] and s["image"])
