@@ -13,6 +13,7 @@ import os
 import platform
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -166,6 +167,18 @@ def start_camera(*args: str) -> subprocess.Popen:
     """bench.camera_pub in its own process (see its --help)."""
     return subprocess.Popen([sys.executable, "-m", "bench.camera_pub", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stop_process(process: subprocess.Popen) -> str:
+    """SIGINT (a node saves and shuts down cleanly), kill after 20 s; its stderr."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    try:
+        _, err = process.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+    return err
 
 
 def camera_summary(process: subprocess.Popen, timeout: float) -> dict[str, Any]:

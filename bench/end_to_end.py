@@ -12,6 +12,10 @@ arrival wall time of its DriftScore - publish wall time of the frame whose stamp
 carries (the chunk's last sampled frame). Real-time factor = the node's processing time
 (forward + signal + evict of each DriftScore) summed / stream time those chunks cover (1 s each);
 below 1 the node keeps up. The node process's CPU (/proc/PID/stat) over the stream is reported too.
+
+--dashboard: the same stream twice in one invocation, through a fresh node each time: the node
+alone, then with `deltas-ros dashboard` attached and one page open on it (bench.dashboard_page),
+side by side, with the dashboard process's CPU; written as end_to_end_dashboard.{json,md}.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,7 +52,9 @@ from .common import (
     ros_setup,
     start_camera,
     start_results,
+    stop_process,
 )
+from .dashboard_page import DashboardPage
 
 TOPIC = "/bench/camera/image_raw"
 DRIFT_TOPIC = "/deltas_memory/drift"
@@ -124,21 +129,14 @@ class Listener:
         self.thread.join(5)
 
 
-def stop(process: subprocess.Popen) -> str:
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-    try:
-        _, err = process.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, err = process.communicate()
-    return err
-
-
-def run(model_dir: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+def run(model_dir: Path, args: argparse.Namespace, log: Path,
+        page: bool = False) -> dict[str, Any]:
+    """One stream through a fresh node; with `page`, `deltas-ros dashboard` attached to it and
+    one page open on the dashboard (bench.dashboard_page)."""
     node = subprocess.Popen(node_command(model_dir, args), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     listener = Listener()
+    dashboard = None
     err = ""
     try:
         # Frames that come before the model is loaded are dropped: start the camera after.
@@ -146,6 +144,9 @@ def run(model_dir: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
                       READY_TIMEOUT_S, "the node to load the model")
         if node.poll() is not None:
             raise RuntimeError(f"the node exited: {node.stderr.read()[-3000:]}")
+        if page:
+            dashboard = DashboardPage()
+            dash_cpu0 = cpu_seconds(dashboard.pid)
         cpu0, wall0 = cpu_seconds(node.pid), time.monotonic()
         camera = start_camera("--topic", TOPIC, "--encoding", "rgb8", "--fps", str(args.fps),
                               "--seconds", str(args.seconds), "--width", str(args.width),
@@ -156,13 +157,21 @@ def run(model_dir: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
             listener.wait(lambda: len(listener.arrivals) >= expected, 60, "the last chunks")
         except RuntimeError:
             pass  # dropped chunks are reported, not fatal
-        node_cpu = (cpu_seconds(node.pid) - cpu0) / (time.monotonic() - wall0)
+        wall = time.monotonic() - wall0
+        node_cpu = (cpu_seconds(node.pid) - cpu0) / wall
+        if dashboard:
+            attached = {"dashboard_cpu_cores": (cpu_seconds(dashboard.pid) - dash_cpu0) / wall,
+                        "page_events": dict(dashboard.events),
+                        "page_images_fetched": dashboard.images_fetched}
     finally:
+        if dashboard:
+            dashboard.close()
         listener.close()
-        err = stop(node)
+        err = stop_process(node)
     if not listener.arrivals:
         raise RuntimeError(f"no DriftScore arrived; node stderr: {err[-3000:]}")
-    return summarize(listener.arrivals, published, log, expected, node_cpu)
+    result = summarize(listener.arrivals, published, log, expected, node_cpu)
+    return result | attached if page else result
 
 
 def summarize(arrivals: list[tuple[DriftScore, float]], published: dict[str, Any], log: Path,
@@ -191,10 +200,10 @@ def summarize(arrivals: list[tuple[DriftScore, float]], published: dict[str, Any
     }
 
 
-def report(results: dict[str, Any]) -> str:
-    r = results["run"]
+def rows(r: dict[str, Any], budget: int) -> list[list[str]]:
+    """One run's table rows: [quantity, value]."""
     lat, proc = r["latency_ms"], r["processing_ms"]
-    rows = [
+    table = [
         ["chunks expected / received / missing",
          f"{r['chunks_expected']} / {r['chunks_received']} / {r['chunks_missing']}"],
         ["latency, last frame published -> DriftScore arrived (median / p95 / max)",
@@ -206,14 +215,46 @@ def report(results: dict[str, Any]) -> str:
         ["node process CPU over the stream", f"{r['node_cpu_cores']:.2f} cores"],
         ["chunk tokens (median); chunks that evicted", f"{r['chunk_tokens']:.0f}; "
          f"{r['evicting_chunks']}"],
-        ["KV tokens at the end / budget", f"{r['kv_tokens_end']} / {results['budget']}"],
+        ["KV tokens at the end / budget", f"{r['kv_tokens_end']} / {budget}"],
     ]
+    if "dashboard_cpu_cores" in r:
+        events = r["page_events"]
+        table += [
+            ["dashboard process CPU over the stream", f"{r['dashboard_cpu_cores']:.2f} cores"],
+            ["the page's events: chunk / image / health; images fetched",
+             f"{events.get('chunk', 0)} / {events.get('image', 0)} / "
+             f"{events.get('health', 0)}; {r['page_images_fetched']}"],
+        ]
+    return table
+
+
+def side_by_side(alone: dict[str, Any], attached: dict[str, Any], budget: int) -> str:
+    """The two runs of --dashboard in one table, and the ratios that are the claim."""
+    values = [value for _, value in rows(alone, budget)]
+    table = [[label, values[i] if i < len(values) else "-", value]
+             for i, (label, value) in enumerate(rows(attached, budget))]
+    ratio = attached["processing_ms"]["median"] / alone["processing_ms"]["median"]
+    cpu = attached["node_cpu_cores"] / alone["node_cpu_cores"]
+    return md_table(["quantity", "node alone", "node + dashboard + one page"], table) + (
+        f"\nWith the dashboard attached, the node's median processing per chunk was {ratio:.2f}x "
+        f"and its process CPU {cpu:.2f}x those of the node alone (the same stream, one run "
+        "after the other in this invocation).\n")
+
+
+def report(results: dict[str, Any]) -> str:
+    if "runs" in results:
+        runs = results["runs"]
+        table = side_by_side(runs["alone"], runs["dashboard"], results["budget"])
+        who = ("Camera, node, this listener and, in the second run, the dashboard and its page "
+               "share the machine's cores.")
+    else:
+        table = md_table(["quantity", "value"], rows(results["run"], results["budget"]))
+        who = "Camera, node and this listener share the machine's cores."
     ros = results["ros"]
-    return md_table(["quantity", "value"], rows) + (
+    return table + (
         f"\nThe tiny random model on this machine's CPU, {results['size'][0]}x"
         f"{results['size'][1]} rgb8 at {results['fps']:g} fps for {results['seconds']:g} s, "
-        f"reliable QoS, {ros['rmw']} (transports: {ros['fastdds_builtin_transports']}). Camera, "
-        "node and this listener share the machine's cores.\n")
+        f"reliable QoS, {ros['rmw']} (transports: {ros['fastdds_builtin_transports']}). {who}\n")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -226,21 +267,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget", type=int, default=1536, help="KV budget M (tokens)")
     parser.add_argument("--window", type=int, default=512, help="recent window (tokens)")
     parser.add_argument("--pixel-budget", type=int, default=320 * 320)
+    parser.add_argument("--dashboard", action="store_true",
+                        help="run the stream twice: the node alone, then with `deltas-ros "
+                             "dashboard` and one page open on it (end_to_end_dashboard.*)")
     add_out_arg(parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
 
     isolate_ros()
     results = start_results("end_to_end", argv)
+    if args.dashboard:
+        results["benchmark"] = "end_to_end_dashboard"  # its own files, beside end_to_end's
     results |= {"ros": ros_setup(), "fps": args.fps, "seconds": args.seconds,
                 "size": [args.width, args.height], "budget": args.budget,
                 "window": args.window, "pixel_budget": args.pixel_budget}
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model or make_model(Path(scratch) / "tiny")
         results["model"] = str(args.model or "tiny (make_model, random)")
-        results["run"] = run(model_dir, args, Path(scratch) / "published.json")
+        log = Path(scratch) / "published.json"
+        if args.dashboard:
+            results["runs"] = {"alone": run(model_dir, args, log),
+                               "dashboard": run(model_dir, args, log, page=True)}
+        else:
+            results["run"] = run(model_dir, args, log)
     title = (f"End to end: the memory node ({results['model']}, CPU) fed {args.width}x"
-             f"{args.height} at {args.fps:g} fps over DDS")
+             f"{args.height} at {args.fps:g} fps over DDS"
+             + (", alone and with the dashboard attached" if args.dashboard else ""))
     return finish(args.out, results, title, report(results))
 
 

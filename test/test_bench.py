@@ -203,6 +203,24 @@ def test_end_to_end(tmp_path, ros_env, tiny_model_dir):
     assert 0 < run["kv_tokens_end"] <= 120 and run["node_cpu_cores"] > 0
 
 
+def test_end_to_end_with_the_dashboard(tmp_path, ros_env, tiny_model_dir):
+    end_to_end.main(["--model", str(tiny_model_dir), "--seconds", "3", "--width", "160",
+                     "--height", "120", "--budget", "120", "--window", "40",
+                     "--pixel-budget", "4096", "--dashboard", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "end_to_end_dashboard.json").read_text())
+    command = results["command"]
+    assert " -m bench.end_to_end " in command and "--dashboard" in command
+    runs = results["runs"]
+    alone, attached = runs["alone"], runs["dashboard"]
+    assert "dashboard_cpu_cores" not in alone and attached["dashboard_cpu_cores"] >= 0
+    for run in (alone, attached):
+        assert run["chunks_received"] >= 2 and run["processing_ms"]["median"] > 0
+    assert attached["page_events"]["chunk"] >= 1 and attached["page_images_fetched"] >= 1
+    assert "| node alone | node + dashboard + one page |" in (
+        tmp_path / "end_to_end_dashboard.md").read_text()
+    assert not (tmp_path / "end_to_end.json").exists()  # the default run's files stay as they are
+
+
 def test_retention(tmp_path):
     retention.main(["--seeds", "0", "--seconds", "16", "--event-every", "4",
                     "--fractions", "0.3", "0.6", "--window", "40", *TINY_STREAM,

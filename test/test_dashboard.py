@@ -1,8 +1,14 @@
 """The browser dashboard: its HTTP rules without ROS, then against a real memory node over DDS,
-then in a real headless chromium."""
+then in a real headless chromium, then as launch/deltas.launch.py starts it beside a node in a
+namespace.
+
+`ros2 launch` itself is not installable here (launch and launch_ros are not on PyPI), so the
+launch file's dashboard command is read from its source (as test_params.py reads its arguments),
+formed for a namespace the way launch joins a substitution list, and run as it is."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -15,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from ros_helpers import Tester, start, stop
+from ros_helpers import SMALL, Tester, node_command, start, stop
 
 from deltas_ros.ros.dashboard_http import DashboardState, check_bind, make_server
 
@@ -48,6 +54,10 @@ def get(url: str, data: bytes | None = None, headers: dict | None = None):
             return response.status, response.read()
     except urllib.error.HTTPError as error:
         return error.code, error.read()
+
+
+def sse_result(reply: str) -> dict:
+    return json.loads(reply.split("event: result\ndata: ")[1].split("\n")[0])
 
 
 def test_a_non_loopback_host_needs_a_token():
@@ -96,6 +106,14 @@ def wait_state(url: str, predicate, timeout: float = 120.0) -> dict:
     raise TimeoutError("the dashboard never saw that")
 
 
+def wait_matched(url: str, tester: Tester, node: str) -> None:
+    """Until the dashboard hears the node (its diagnostics) and subscribes to its drift: a
+    chunk published before that is never seen by the dashboard (~/drift is volatile), and these
+    tests stream only three."""
+    wait_state(url, lambda s: s["health"])
+    tester.wait_for(lambda: tester.node.count_subscribers(f"{node}/drift") >= 2)
+
+
 @pytest.fixture(scope="module")
 def live(tiny_model_dir, ros_domain):
     """A memory node fed a few seconds of frames, and `deltas-ros dashboard` beside it."""
@@ -109,6 +127,7 @@ def live(tiny_model_dir, ros_domain):
         url = dash.stdout.readline().split()[-1].rstrip("/")
         assert url.startswith("http://127.0.0.1:"), url
         tester.wait_ready(node)
+        wait_matched(url, tester, "/deltas_memory")
         tester.stream(3.0)
         tester.wait_for(lambda: len(tester.drift) >= 3, timeout=180)
         yield url
@@ -125,10 +144,28 @@ def test_dashboard_sees_chunks_and_answers(live):
     state = wait_state(live, lambda s: len(s["chunks"]) >= 3 and s["health"])
     assert state["chunks"][0]["stream_time"] >= 0 and state["health"]["values"]["lifecycle"]
     code, body = get(f"{live}/ask", data=json.dumps({"question": "What did you see?"}).encode())
-    result = json.loads(body.decode().split("event: result\ndata: ")[1].split("\n")[0])
+    result = sse_result(body.decode())
     assert code == 200 and result["success"], result
     assert result["evidence_times"] and len(result["evidence_stamps"]) == len(
         result["evidence_times"])
+
+
+# Records what the page sends to /ask and the reply it streams back (a clone of the response).
+FETCH_SPY = """
+window.asked = [];
+const plain = window.fetch;
+window.fetch = async (url, options) => {
+  const response = await plain(url, options);
+  if (String(url).startsWith("/ask"))
+    window.asked.push({body: options.body, reply: response.clone().text()});
+  return response;
+};
+"""
+LAST_ASK = """
+const done = arguments[arguments.length - 1];
+const last = window.asked[window.asked.length - 1];
+last.reply.then((reply) => done({body: last.body, reply}));
+"""
 
 
 @pytest.mark.ros
@@ -139,6 +176,7 @@ def test_the_page_in_headless_chromium(live):
         pytest.skip("chromium and chromium-driver are not installed (scripts/setup.sh)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -148,18 +186,106 @@ def test_the_page_in_headless_chromium(live):
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1000"):
         options.add_argument(arg)
     browser = webdriver.Chrome(options=options, service=Service(driver))
+
+    def value(input_id: str) -> float:
+        return float(browser.find_element(By.ID, input_id).get_attribute("value"))
+
     try:
         browser.get(f"{live}/")
         wait = WebDriverWait(browser, 60)
         wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#timeline rect.bar")))
+        # Drag from 40 % of the timeline to its right end: the newer chunks only.
+        timeline = browser.find_element(By.ID, "timeline")
+        width = timeline.size["width"]
+        ActionChains(browser).move_to_element_with_offset(timeline, int(-0.1 * width), 0) \
+            .click_and_hold().move_by_offset(int(0.59 * width), 0).release().perform()
+        since, until = value("since"), value("until")
+        assert 0 < since < until, (since, until)
+        assert browser.find_elements(By.CSS_SELECTOR, "#timeline rect.window")
+        browser.execute_script(FETCH_SPY)
         browser.find_element(By.ID, "question").send_keys("What did you see?")
         browser.find_element(By.ID, "ask").click()
         wait = WebDriverWait(browser, 180)
         wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#evidence.has-evidence")))
         assert browser.find_element(By.ID, "answer").text.strip() not in ("", "…")
         assert browser.find_elements(By.CSS_SELECTOR, "#timeline rect.bar.evidence")
+        asked = browser.execute_async_script(LAST_ASK)
+        assert json.loads(asked["body"])["window"] == [since, until]
+        result = sse_result(asked["reply"])
+        assert result["success"] and result["evidence_times"], result
+        assert all(since <= t <= until for t in result["evidence_times"]), (since, until, result)
         if path := os.environ.get("DELTAS_DASHBOARD_PNG"):
             browser.save_screenshot(path if path.endswith(".png") else
                                     str(REPO / "docs" / "dashboard.png"))
+        browser.find_element(By.ID, "clear").click()
+        assert (value("since"), value("until")) == (0, 0)
+        assert not browser.find_elements(By.CSS_SELECTOR, "#timeline rect.window")
     finally:
         browser.quit()
+
+
+def substitute(node: ast.expr, arguments: dict[str, str]) -> str:
+    """A launch substitution as text: a string, LaunchConfiguration(name), or a list of them
+    (launch concatenates a list)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "LaunchConfiguration":
+        return arguments[node.args[0].value]
+    if isinstance(node, ast.List):
+        return "".join(substitute(part, arguments) for part in node.elts)
+    raise AssertionError(f"unexpected substitution in the launch file: {ast.unparse(node)}")
+
+
+def dashboard_command(namespace: str) -> list[str]:
+    """The dashboard ExecuteProcess's cmd for `namespace:=<namespace>`."""
+    tree = ast.parse((REPO / "launch" / "deltas.launch.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", "") == "ExecuteProcess")
+    cmd = next(k.value for k in call.keywords if k.arg == "cmd")
+    return [substitute(part, {"namespace": namespace}) for part in cmd.elts]
+
+
+def test_the_launch_command_names_the_node_in_its_namespace():
+    assert dashboard_command("") == ["deltas-ros", "dashboard", "--node", "/deltas_memory"]
+    assert dashboard_command("robot1")[-1] in ("robot1/deltas_memory", "/robot1/deltas_memory")
+    setup = (REPO / "setup.py").read_text()
+    assert '"deltas-ros = deltas_ros.tools.cli:main"' in setup  # what cmd[0] runs
+
+
+@pytest.mark.ros
+@pytest.mark.slow
+@pytest.mark.parametrize("namespace", ["robot1", ""])
+def test_the_launched_dashboard_sees_a_namespaced_node(namespace, tiny_model_dir, ros_env):
+    """As `ros2 launch deltas_ros deltas.launch.py namespace:=<ns> dashboard:=true` would run
+    them (launch_ros makes a relative namespace absolute for the node)."""
+    command = node_command(tiny_model_dir, "/camera/image_raw", reliable_qos="true", **SMALL)
+    if namespace:
+        command += ["-r", f"__ns:=/{namespace}"]
+    node = subprocess.Popen(command, env=ros_env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    cmd = dashboard_command(namespace)
+    env = dict(ros_env, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # `deltas-ros` is deltas_ros.tools.cli:main; port 0 only so that tests never collide.
+    dash = subprocess.Popen([sys.executable, "-m", "deltas_ros.tools.cli", *cmd[1:],
+                             "--port", "0"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    name = f"/{namespace}/deltas_memory" if namespace else "/deltas_memory"
+    tester = Tester(namespace=name)
+    try:
+        line = dash.stdout.readline()
+        assert line.startswith("dashboard: http://127.0.0.1:"), (line, dash.stderr.read())
+        url = line.split()[-1].rstrip("/")
+        tester.wait_ready(node)
+        wait_matched(url, tester, name)
+        tester.stream(3.0)
+        tester.wait_for(lambda: len(tester.drift) >= 3, timeout=180)
+        state = wait_state(url, lambda s: len(s["chunks"]) >= 3 and s["health"] and s["image"])
+        assert [c["index"] for c in state["chunks"]][:3] == [m.chunk_index
+                                                             for m in tester.drift[:3]]
+        code, body = get(f"{url}/ask", data=json.dumps({"question": "What?"}).encode())
+        assert code == 200 and sse_result(body.decode())["success"]
+    finally:
+        tester.close()
+        dash.terminate()
+        dash.wait(timeout=30)
+        stop(node)

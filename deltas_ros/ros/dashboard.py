@@ -74,7 +74,9 @@ class DashboardNode(Node):
     def __init__(self, memory_node: str = "/deltas_memory",
                  state: DashboardState | None = None) -> None:
         super().__init__("deltas_dashboard")
-        self.memory_node = memory_node.rstrip("/")
+        # Absolute, whatever this node's own namespace: the launch file passes
+        # "<namespace>/deltas_memory", which is relative for a namespace given as "robot1".
+        self.memory_node = "/" + memory_node.strip("/")
         self.state = state or DashboardState()
         self.goal_lock = threading.Lock()
         self.goal: Any = None

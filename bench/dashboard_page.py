@@ -1,0 +1,77 @@
+"""`deltas-ros dashboard` beside the node under test, with one page open on it.
+
+Why: the dashboard is meant to cost the memory node nothing beyond the topics it already
+publishes; end_to_end --dashboard measures that, so the dashboard must be loaded as a user loads
+it: a browser reading /events and fetching /memory.jpg on every image event, as dashboard.html
+does.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+
+from .common import REPO, stop_process
+
+
+class DashboardPage:
+    """The dashboard process (started as the launch file starts it, on a free port) and one
+    /events reader on a thread, counting what it receives."""
+
+    def __init__(self, node: str = "/deltas_memory", ready_timeout: float = 120.0) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "deltas_ros.tools.cli", "dashboard", "--node", node,
+             "--port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        line = self.process.stdout.readline()
+        if not line.startswith("dashboard: http://"):
+            self.process.kill()
+            raise RuntimeError(f"the dashboard did not start: {line}{self.process.stderr.read()}")
+        self.url = line.split()[-1].rstrip("/")
+        self.pid = self.process.pid
+        self._wait_for_health(ready_timeout)
+        self.events: Counter[str] = Counter()
+        self.images_fetched = 0
+        self.stream = urllib.request.urlopen(f"{self.url}/events", timeout=60)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _wait_for_health(self, timeout: float) -> None:
+        """Until the dashboard has the node's diagnostics: its subscriptions are matched."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"{self.url}/state", timeout=10) as response:
+                if json.loads(response.read())["health"]:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError("the dashboard never saw the node's diagnostics")
+
+    def _read(self) -> None:
+        """What the page does: parse the stream, fetch the memory image on each image event."""
+        kind = ""
+        try:
+            for raw in self.stream:
+                line = raw.decode().rstrip("\r\n")
+                if line.startswith("event: "):
+                    kind = line.removeprefix("event: ")
+                elif not line and kind:
+                    self.events[kind] += 1
+                    if kind == "image":
+                        with urllib.request.urlopen(f"{self.url}/memory.jpg", timeout=10) as r:
+                            r.read()
+                        self.images_fetched += 1
+                    kind = ""
+        except (OSError, ValueError):
+            pass  # the dashboard stopped
+
+    def close(self) -> str:
+        """Stop the dashboard and its reader; the dashboard's stderr."""
+        err = stop_process(self.process)
+        self.stream.close()
+        self.thread.join(5)
+        return err
