@@ -214,9 +214,6 @@ def test_the_page_in_headless_chromium(live):
         result = sse_result(asked["reply"])
         assert result["success"] and result["evidence_times"], result
         assert all(since <= t <= until for t in result["evidence_times"]), (since, until, result)
-        if path := os.environ.get("DELTAS_DASHBOARD_PNG"):
-            browser.save_screenshot(path if path.endswith(".png") else
-                                    str(REPO / "docs" / "dashboard.png"))
         browser.find_element(By.ID, "clear").click()
         assert (value("since"), value("until")) == (0, 0)
         assert not browser.find_elements(By.CSS_SELECTOR, "#timeline rect.window")
