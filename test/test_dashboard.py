@@ -116,8 +116,10 @@ def wait_matched(url: str, tester: Tester, node: str) -> None:
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir, ros_domain):
-    """A memory node fed a few seconds of frames, and `deltas-ros dashboard` beside it."""
-    node = start(tiny_model_dir, ros_domain, reliable_qos="true")
+    """A memory node fed a few seconds of frames, and `deltas-ros dashboard` beside it; the
+    budget is small enough that the last chunk evicts."""
+    node = start(tiny_model_dir, ros_domain, reliable_qos="true", budget_tokens="48",
+                 window_tokens="16")
     env = dict(ros_domain, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     dash = subprocess.Popen(
         [sys.executable, "-m", "deltas_ros.tools.cli", "dashboard", "--port", "0"],
@@ -141,8 +143,14 @@ def live(tiny_model_dir, ros_domain):
 @pytest.mark.ros
 @pytest.mark.slow
 def test_dashboard_sees_chunks_and_answers(live):
-    state = wait_state(live, lambda s: len(s["chunks"]) >= 3 and s["health"])
+    state = wait_state(live, lambda s: len(s["chunks"]) >= 3 and s["health"] and s["held"]
+                       and s["held"]["index"][-1] == s["chunks"][-1]["index"])
     assert state["chunks"][0]["stream_time"] >= 0 and state["health"]["values"]["lifecycle"]
+    held = state["held"]
+    assert held["index"] == sorted(held["index"]) and held["bucket"][-1] == max(held["bucket"])
+    assert any(c["evicted_tokens"] for c in state["chunks"])
+    assert sum(held["tokens"]) < sum(
+        c["chunk_tokens"] for c in state["chunks"])
     code, body = get(f"{live}/ask", data=json.dumps({"question": "What did you see?"}).encode())
     result = sse_result(body.decode())
     assert code == 200 and result["success"], result
@@ -161,6 +169,7 @@ window.fetch = async (url, options) => {
   return response;
 };
 """
+TIPS = "return [...document.querySelectorAll('#timeline rect.bar title')].map(t => t.textContent)"
 LAST_ASK = """
 const done = arguments[arguments.length - 1];
 const last = window.asked[window.asked.length - 1];
@@ -194,6 +203,9 @@ def test_the_page_in_headless_chromium(live):
         browser.get(f"{live}/")
         wait = WebDriverWait(browser, 60)
         wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#timeline rect.bar")))
+        # Each bar says where its chunk is held (~/memory_chunks): its bucket and tokens.
+        wait.until(lambda b: len(b.execute_script(TIPS)) >= 3 and all(
+            "tokens held" in tip for tip in b.execute_script(TIPS)))
         # Drag from 40 % of the timeline to its right end: the newer chunks only.
         timeline = browser.find_element(By.ID, "timeline")
         width = timeline.size["width"]

@@ -25,6 +25,7 @@ from deltas_ros.core.reference import (
     fill_table,
     gather_evict,
     gather_table,
+    held_chunks_reference,
 )
 from deltas_ros.core.slots import PREFIX_CHUNK, SlotTable
 
@@ -80,6 +81,22 @@ def slots_by_run(runs) -> list[tuple[int, float, float, int]]:
     """(chunk, time, score, slot) of every slot the runs hold, in arrival order."""
     return [(r.chunk, r.time, r.score, slot) for r in runs for first, count in r.extents
             for slot in range(first, first + count)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=12), sinks=st.integers(0, 6),
+       window=st.integers(0, 30), buckets=st.integers(1, 4), data=st.data())
+def test_held_chunks_equal_the_reference(sizes, sinks, window, buckets, data):
+    """What the memory shows a viewer (each held chunk, its slots and its bucket) equals the
+    per-chunk loop, also after an eviction has filled holes out of arrival order."""
+    slots = table(sizes)
+    if data.draw(st.booleans()):
+        kept = data.draw(st.sets(st.integers(0, len(slots) - 1), min_size=1))
+        slots, _ = slots.keep_slots(torch.tensor(sorted(kept)))
+    held = slots.held_chunks(sinks, window, buckets)
+    assert [tuple(h) for h in held] == held_chunks_reference(slots, sinks, window, buckets)
+    assert [h.index for h in held] == slots.retained_chunks()
+    assert sum(h.tokens for h in held) == int((slots.chunk >= 0).sum())
 
 
 @settings(max_examples=80, deadline=None)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from action_msgs.msg import GoalStatus
 from deltas_ros.action import AskMemory as AskAction
+from deltas_ros.msg import MemoryChunks
 from deltas_ros.srv import AskMemory, MemoryFile
 from geometry_msgs.msg import PoseStamped
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
@@ -75,10 +76,17 @@ class MemoryTester(Tester):
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.node.create_subscription(Image, "/deltas_memory/memory_image", self._on_image,
                                       latched)
+        self.held: list[MemoryChunks] = []
+        self.node.create_subscription(MemoryChunks, "/deltas_memory/memory_chunks",
+                                      self._on_held, latched)
 
     def _on_image(self, msg: Image) -> None:
         with self.lock:
             self.images.append(msg)
+
+    def _on_held(self, msg: MemoryChunks) -> None:
+        with self.lock:
+            self.held.append(msg)
 
     def publish_pose(self, stamp: float) -> None:
         pose = expected_pose(stamp)
@@ -206,6 +214,22 @@ def test_memory_image_shows_the_retained_chunks(node):
         "DELTAS_MEMORY_IMAGE_PNG") else None
     if target:  # docs/node.md's picture: `DELTAS_MEMORY_IMAGE_PNG=docs/memory_image.png pytest`
         cv2.imwrite(str(target), cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR))
+
+
+def test_memory_chunks_list_what_the_memory_holds(node):
+    """~/memory_chunks after the stream: the chunks still held, oldest first, thinned or gone
+    where evictions took them, the newest in the recent window, the rest in time buckets."""
+    tester, _ = node
+    tester.wait_for(lambda: tester.held and tester.drift
+                    and tester.held[-1].header.stamp == tester.drift[-1].header.stamp)
+    with tester.lock:
+        held, last = tester.held[-1], tester.drift[-1]
+    index, tokens, bucket = list(held.chunk_index), list(held.tokens), list(held.bucket)
+    assert index == sorted(set(index)) and index[-1] == last.chunk_index
+    assert len(index) < last.chunk_index + 1  # evicted chunks are gone
+    assert len(held.stream_time) == len(tokens) == len(bucket) == len(index)
+    assert 0 < sum(tokens) < last.kv_tokens  # the chat prefix's slots are not a chunk
+    assert bucket[-1] == -1 and max(bucket) >= 1 and min(b for b in bucket if b >= 0) == 0
 
 
 def test_goals_are_rejected_while_the_node_is_not_active(node):

@@ -181,32 +181,41 @@ def test_the_reasoning_travels_apart_from_the_answer(target):
     assert (msg.answer, msg.reasoning) == ("red", "the cube on the left is red")
 
 
-def test_the_memory_image_follows_every_chunk_before_any_eviction(ros_env):
+def test_the_memory_view_follows_every_chunk_before_any_eviction(ros_env):
     """A memory below its budget evicts nothing, yet a viewer (rqt, the dashboard) sees each new
-    chunk's thumbnail; an evicted chunk's thumbnail leaves the strip."""
+    chunk on ~/memory_image and ~/memory_chunks; an evicted chunk leaves both."""
     import numpy as np
     import rclpy
 
-    from deltas_ros.core.results import ChunkResult
+    from deltas_ros.core.results import ChunkResult, HeldChunk
     from deltas_ros.runtime.image import GAP, THUMB_W
 
     context = rclpy.Context()
     rclpy.init(context=context)
     try:
-        node = rclpy.create_node("memory_image_test", context=context)
-        topic = ros_memory.MemoryImageTopic(node, 8)
-        published = []
-        topic.publisher = SimpleNamespace(publish=published.append)
+        node = rclpy.create_node("memory_view_test", context=context)
+        view = ros_memory.MemoryView(node, 8)
+        images, chunks = [], []
+        view.image_pub = SimpleNamespace(publish=images.append)
+        view.chunks_pub = SimpleNamespace(publish=chunks.append)
         frame = np.full((48, 64, 3), 128, np.uint8)
+        held = []
         for index in range(3):
             result = ChunkResult(index, float(index), 0.1, [], 10, 10 * (index + 1), 0,
                                  1.0, 0.1, 0.1, stamp=STAMP + index)
-            topic.chunk_done(result, frame, list(range(index + 1)), "camera")
-        tiles = [(msg.width - GAP) // (THUMB_W + GAP) for msg in published]
+            held.append(HeldChunk(index, float(index), 10, -1))
+            view.chunk_done(result, frame, list(held), "camera")
+        tiles = [(msg.width - GAP) // (THUMB_W + GAP) for msg in images]
         assert tiles == [1, 2, 3]
+        assert [list(msg.chunk_index) for msg in chunks] == [[0], [0, 1], [0, 1, 2]]
         evicting = ChunkResult(3, 3.0, 0.1, [], 10, 30, 10, 1.0, 0.1, 0.1, stamp=STAMP + 3)
-        topic.chunk_done(evicting, frame, [0, 2, 3], "camera")
-        assert (published[-1].width - GAP) // (THUMB_W + GAP) == 3
+        held = [HeldChunk(0, 0.0, 10, 0), HeldChunk(2, 2.0, 4, 1), HeldChunk(3, 3.0, 10, -1)]
+        view.chunk_done(evicting, frame, held, "camera")
+        assert (images[-1].width - GAP) // (THUMB_W + GAP) == 3
+        last = chunks[-1]
+        assert (list(last.chunk_index), list(last.stream_time), list(last.tokens),
+                list(last.bucket)) == ([0, 2, 3], [0.0, 2.0, 3.0], [10, 4, 10], [0, 1, -1])
+        assert last.header.frame_id == "camera" and last.header.stamp == to_time_msg(STAMP + 3)
         node.destroy_node()
     finally:
         rclpy.try_shutdown(context=context)

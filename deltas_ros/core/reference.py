@@ -7,6 +7,7 @@ both side by side.
 
     fast path                          reference
     policy.select_keep / select_runs   select_keep_reference
+    SlotTable.held_chunks              held_chunks_reference
     drift.state_drift                  state_drift_reference
     signals.state_surprise             state_surprise_reference
     signals.temporal_redundancy        temporal_redundancy_reference
@@ -71,6 +72,29 @@ def select_keep_reference(
         rest += ranked[share:]
     kept += best_first(rest)[:free - len(kept)]
     return sorted(list(range(sinks)) + kept + list(range(total - window, total)))
+
+
+def held_chunks_reference(table: SlotTable, sinks: int, window: int, buckets: int
+                   ) -> list[tuple[int, float, int, int]]:
+    """`SlotTable.held_chunks` as a loop over chunks: (chunk, time, slots, bucket) each, where its
+    bucket is that of its first slot among the candidates `select_keep_reference` ranks."""
+    order = table.arrival_order().tolist()
+    times = [table.time[i].item() for i in order]
+    chunks = [table.chunk[i].item() for i in order]
+    candidates = range(sinks, max(len(order) - window, sinks))
+    lo = min((times[i] for i in candidates), default=0.0)
+    hi = max((times[i] for i in candidates), default=0.0)
+    held = []
+    for chunk in sorted({c for c in chunks if c >= 0}):
+        slots = [i for i, c in enumerate(chunks) if c == chunk]
+        bucket = -1
+        for i in slots:
+            if i in candidates:
+                bucket = 0 if hi == lo else min(buckets - 1,
+                                                int((times[i] - lo) / (hi - lo) * buckets))
+                break
+        held.append((chunk, times[slots[0]], len(slots), bucket))
+    return held
 
 
 def state_drift_reference(

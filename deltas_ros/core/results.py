@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .poses import Pose
 
@@ -95,6 +95,15 @@ class Answer:
                    span_start=span_start, span_end=span_end, **fields)
 
 
+class HeldChunk(NamedTuple):
+    """A chunk the memory holds: for a viewer of the memory (~/memory_chunks, the dashboard)."""
+
+    index: int
+    time: float
+    tokens: int  # its slots still in the cache (fewer than it brought once it was thinned)
+    bucket: int  # the temporal bucket its evictable slots compete in; -1: none (recent window)
+
+
 @dataclass
 class MemoryStats:
     """Size and contents of the memory right now."""
@@ -109,6 +118,7 @@ class MemoryStats:
     span_end: float
     retained_chunks: list[int] = field(default_factory=list)
     compactions: int = 0
+    held: list[HeldChunk] = field(default_factory=list)  # the retained chunks, oldest first
 
 
 @dataclass

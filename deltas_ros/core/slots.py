@@ -38,7 +38,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .policy import bucket_of
 from .poses import Pose
+from .results import HeldChunk
 from .rope import compacted_positions
 
 PREFIX_CHUNK = -1  # chunk index of the chat prefix's slots
@@ -213,6 +215,25 @@ class SlotTable:
     def retained_chunks(self) -> list[int]:
         """Indices of the stream chunks with at least one slot held, oldest first."""
         return self.chunk[self.chunk >= 0].unique().tolist()
+
+    def held_chunks(self, sinks: int, window: int, buckets: int) -> list[HeldChunk]:
+        """The held stream chunks, oldest first, each with its slots and the temporal bucket
+        its evictable slots (between the sinks and the recent window, in arrival order) fall
+        in as the next eviction would see them (-1: all of them are sinks or window).
+        `reference.held_chunks_reference` is the per-chunk loop it is tested against."""
+        order = self.arrival_order().numpy()
+        chunk, time = self.chunk.numpy()[order], self.time.numpy()[order]
+        bucket = np.full(chunk.size, -1, dtype=np.int16)
+        lo = min(sinks, chunk.size)
+        hi = max(chunk.size - window, lo)
+        if hi > lo:
+            bucket[lo:hi] = bucket_of(time[lo:hi], buckets)
+        stream = chunk >= 0  # a chunk's slots are consecutive in arrival order
+        ids, starts, counts = np.unique(chunk[stream], return_index=True, return_counts=True)
+        first = np.flatnonzero(stream)[starts]
+        top = np.maximum.reduceat(bucket[stream], starts) if ids.size else []
+        return [HeldChunk(int(c), float(time[f]), int(n), int(b))
+                for c, f, n, b in zip(ids, first, counts, top)]
 
     def chunk_time(self, chunk: int) -> float:
         return self.time[self.chunk == chunk][0].item()

@@ -1,8 +1,9 @@
 """`deltas_dashboard`: a live memory dashboard in the browser, as a separate plain node.
 
 It only listens to what the memory node already publishes (~/drift, ~/memory_image,
-/diagnostics) and sends goals to its ~/ask action, so it adds no cost to the memory node, which
-never imports it. Read-only: no reset, save or load. The HTTP side is dashboard_http.py.
+~/memory_chunks, /diagnostics) and sends goals to its ~/ask action, so it adds no cost to the
+memory node, which never imports it. Read-only: no reset, save or load. The HTTP side is
+dashboard_http.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image
 
 from ..action import AskMemory
-from ..msg import DriftScore
+from ..msg import DriftScore, MemoryChunks
 from .dashboard_http import DashboardState, check_bind, make_server
 
 ASK_TIMEOUT_S = 120.0
@@ -43,6 +44,11 @@ def chunk_dict(msg: DriftScore) -> dict:
             "stamp": seconds(msg.header.stamp), "drift": msg.drift,
             "chunk_tokens": msg.chunk_tokens, "kv_tokens": msg.kv_tokens,
             "evicted_tokens": msg.evicted_tokens, "pose": pose_dict(msg.pose)}
+
+
+def held_dict(msg: MemoryChunks) -> dict:
+    return {"index": list(msg.chunk_index), "stream_time": list(msg.stream_time),
+            "tokens": list(msg.tokens), "bucket": list(msg.bucket)}
 
 
 def result_dict(result: Any) -> dict:
@@ -87,6 +93,8 @@ class DashboardNode(Node):
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.create_subscription(Image, f"{self.memory_node}/memory_image",
                                  lambda m: self.state.set_image(jpeg_of(m)), latched)
+        self.create_subscription(MemoryChunks, f"{self.memory_node}/memory_chunks",
+                                 lambda m: self.state.set_held(held_dict(m)), latched)
         self.ask_client = ActionClient(self, AskMemory, f"{self.memory_node}/ask")
 
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:

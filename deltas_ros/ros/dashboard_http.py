@@ -50,6 +50,7 @@ class DashboardState:
         self.evictions: deque[dict] = deque(maxlen=EVICTIONS)
         self.health: dict[str, Any] = {}
         self.image: bytes = b""
+        self.held: dict[str, list] = {}  # the node's latest ~/memory_chunks, as arrays
         self.max_clients = max_clients
         self.clients: list[queue.Queue] = []
 
@@ -70,10 +71,17 @@ class DashboardState:
             self.image = jpeg
         self.push("image", {"bytes": len(jpeg)})
 
+    def set_held(self, held: dict[str, list]) -> None:
+        """What the memory holds now (one entry per chunk: bounded by the node's budget)."""
+        with self.lock:
+            self.held = held
+        self.push("held", held)
+
     def snapshot(self) -> dict:
         with self.lock:
             return {"chunks": list(self.chunks), "evictions": list(self.evictions),
-                    "health": dict(self.health), "image": bool(self.image)}
+                    "health": dict(self.health), "image": bool(self.image),
+                    "held": dict(self.held)}
 
     def subscribe(self) -> queue.Queue | None:
         """A queue of events, or None when MAX_CLIENTS already listen (bounded cost)."""

@@ -1,5 +1,6 @@
-"""ROS sides of where and what the memory holds: the pose input, the ~/memory_image topic, and
-an answer's fields as AskMemory's response and the ask action's result share them."""
+"""ROS sides of where and what the memory holds: the pose input, ~/memory_image and
+~/memory_chunks, and an answer's fields as AskMemory's response and the ask action's result
+share them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from sensor_msgs.msg import Image
 from ..core.decode import message_stamp
 from ..core.memory import Answer, ChunkResult
 from ..core.poses import Pose, PoseBuffer
+from ..core.results import HeldChunk
+from ..msg import MemoryChunks
 from ..runtime.image import MemoryImage
 from .adapters import to_time_msg
 
@@ -115,25 +118,39 @@ class PoseInput:
         self.node.destroy_subscription(self.subscription)
 
 
-class MemoryImageTopic:
-    """~/memory_image (transient local): the strip of retained chunks, refreshed after every
-    chunk (~1 ms to draw and wrap; a full memory evicts on every chunk anyway, so the cost is
-    that of the steady state from the first chunk on). Called on the worker thread."""
+class MemoryView:
+    """What the memory holds, for a person looking: ~/memory_image, the strip of retained
+    chunks, and ~/memory_chunks, every held chunk with its tokens and bucket (both transient
+    local), refreshed after every chunk (~1 ms to draw and wrap the strip; a full memory evicts
+    on every chunk anyway, so the cost is that of the steady state from the first chunk on).
+    Called on the worker thread."""
 
     def __init__(self, node: Node, thumbnails: int) -> None:
         qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                          durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        self.publisher = node.create_publisher(Image, "~/memory_image", qos)
+        self.image_pub = node.create_publisher(Image, "~/memory_image", qos)
+        self.chunks_pub = node.create_publisher(MemoryChunks, "~/memory_chunks", qos)
         self.strip, self.last_index = MemoryImage(thumbnails), -1
 
-    def chunk_done(self, result: ChunkResult, frame: np.ndarray, held: list[int],
+    def chunk_done(self, result: ChunkResult, frame: np.ndarray, held: list[HeldChunk],
                    frame_id: str) -> None:
         if result.index != self.last_index + 1:  # a reset or a load: another memory's chunks
             self.strip = MemoryImage(self.strip.max_thumbnails)
         self.strip.add(result.index, result.time, result.drift, frame)
         self.last_index = result.index
-        self.strip.retain(held)
-        self.publisher.publish(image_message(self.strip.render(), result.stamp, frame_id))
+        self.strip.retain(h.index for h in held)
+        self.image_pub.publish(image_message(self.strip.render(), result.stamp, frame_id))
+        self.chunks_pub.publish(chunks_message(held, result.stamp, frame_id))
+
+
+def chunks_message(held: list[HeldChunk], stamp: float | None, frame_id: str) -> MemoryChunks:
+    """A MemoryChunks of the held chunks, field arrays in step."""
+    msg = MemoryChunks(chunk_index=[h.index for h in held], stream_time=[h.time for h in held],
+                       tokens=[h.tokens for h in held], bucket=[h.bucket for h in held])
+    if stamp is not None and math.isfinite(stamp):
+        msg.header.stamp = to_time_msg(stamp)
+    msg.header.frame_id = frame_id
+    return msg
 
 
 def image_message(rgb: np.ndarray, stamp: float | None, frame_id: str) -> Image:

@@ -10,7 +10,7 @@ runtime/worker.py:
         action.py (~/ask) -> Session.ask / Session.operate -> the worker, between chunks
     pose_topic (optional) -> PoseInput; the worker tags each chunk with the pose at its stamp
     MemoryWorker -> Session.chunk_done -> ~/drift (DriftScore, one per chunk), ~/memory_image
-        after every chunk; 1 Hz timer -> /diagnostics
+        and ~/memory_chunks after every chunk; 1 Hz timer -> /diagnostics
 
 executable.py is the executable around it. Threads: a MultiThreadedExecutor runs the timer,
 the lifecycle transitions, the memory services and the parameter services in separate callback
@@ -34,7 +34,7 @@ from rclpy.lifecycle import LifecycleNodeMixin
 from rclpy.node import Node
 
 from ..core.decode import decode_message
-from ..core.results import ChunkRecord
+from ..core.results import ChunkRecord, HeldChunk
 from ..msg import DriftScore
 from ..runtime import params
 from ..runtime.health import Level, loading_health
@@ -51,7 +51,7 @@ from .adapters import (
 )
 from .cdr import raw_header, raw_stamp
 from .lifecycle import FINALIZED, SHUTDOWN_S, MemoryLifecycle
-from .memory_io import MemoryImageTopic, PoseInput, pose_stamped
+from .memory_io import MemoryView, PoseInput, pose_stamped
 from .services import QUESTION_SLOTS, MemoryServices
 
 __all__ = ["EXECUTOR_THREADS", "FINALIZED", "NOT_READY", "QUESTION_SLOTS", "SHUTDOWN_S",
@@ -91,7 +91,7 @@ class MemoryNode(MemoryLifecycle, LifecycleNodeMixin, Node):
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self.drift_pub = self.create_publisher(DriftScore, "~/drift", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self.memory_image = MemoryImageTopic(self, self.values["memory_image_thumbnails"])
+        self.memory_view = MemoryView(self, self.values["memory_image_thumbnails"])
         self.memory_services = MemoryServices(self)
         self.ask_action = AskActionServer(self)
         # Steady time: health must be reported even when a replayed /clock stops.
@@ -160,13 +160,13 @@ class MemoryNode(MemoryLifecycle, LifecycleNodeMixin, Node):
         poses = self.poses
         return poses.at(stamp) if poses is not None else None
 
-    def _publish_chunk(self, chunk, result, held: list[int]) -> None:
-        """Worker thread, after the session recorded the chunk: its drift and the memory
-        image (`held`: the chunks the memory retains)."""
+    def _publish_chunk(self, chunk, result, held: list[HeldChunk]) -> None:
+        """Worker thread, after the session recorded the chunk: its drift, and what the memory
+        holds (`held`, oldest first) as the memory image and ~/memory_chunks."""
         msg = drift_message(ChunkRecord.from_result(chunk, result), self.session.frame_id)
         msg.pose = pose_stamped(result.pose, result.stamp)
         self.drift_pub.publish(msg)  # after Ctrl-C this raises; the worker counts it and goes on
-        self.memory_image.chunk_done(result, chunk.frames[-1], held, msg.header.frame_id)
+        self.memory_view.chunk_done(result, chunk.frames[-1], held, msg.header.frame_id)
 
     def _on_timer(self) -> None:
         """The 1 Hz report (and the camera's QoS following); a failure is logged, never raised

@@ -32,6 +32,7 @@ from ..core.memory import Answer, ChunkResult, MemoryStats, StreamingMemory, que
 from ..core.persistence import load_memory, save_memory
 from ..core.plan import require_fit
 from ..core.poses import Pose
+from ..core.results import HeldChunk
 from .files import MemoryFiles, MemoryPathError, read_key, read_metadata
 from .health import Level, report
 from .params import BY_NAME, Parameters, memory_config, validate
@@ -146,17 +147,17 @@ class Session:
         return memory, problem
 
     def attach(self, memory: StreamingMemory,
-               publish: Callable[[SampledChunk, ChunkResult, list[int]], None],
+               publish: Callable[[SampledChunk, ChunkResult, list[HeldChunk]], None],
                pose_at: Callable[[float], Pose | None] | None = None) -> MemoryWorker:
         """The model is loaded: start the worker; from now on the session is READY.
-        publish(chunk, result, retained chunk indices): after the session has recorded each
+        publish(chunk, result, the held chunks): after the session has recorded each
         chunk (`chunk_done`), what the node sends out; pose_at: the robot's pose at a stamp,
         tagging each chunk (both on the worker thread)."""
         self.memory, self.stats = memory, memory.stats()
 
         def on_chunk(chunk: SampledChunk, result: ChunkResult) -> None:
             self.chunk_done(chunk, result)
-            publish(chunk, result, self.stats.retained_chunks)
+            publish(chunk, result, self.stats.held)
 
         self.worker = MemoryWorker(memory, on_chunk, self.values["queue_chunks"],
                                    pose_at=pose_at)
