@@ -223,11 +223,12 @@ def test_memory_chunks_list_what_the_memory_holds(node):
     tester.wait_for(lambda: tester.held and tester.drift
                     and tester.held[-1].header.stamp == tester.drift[-1].header.stamp)
     with tester.lock:
-        held, last = tester.held[-1], tester.drift[-1]
-    index, tokens, bucket = list(held.chunk_index), list(held.tokens), list(held.bucket)
-    assert index == sorted(set(index)) and index[-1] == last.chunk_index
-    assert len(index) < last.chunk_index + 1  # evicted chunks are gone
-    assert len(held.stream_time) == len(tokens) == len(bucket) == len(index)
+        held, last, times = tester.held[-1], tester.drift[-1], [m.stream_time for m in
+                                                                 tester.drift]
+    held_times, tokens, bucket = list(held.stream_time), list(held.tokens), list(held.bucket)
+    assert held_times == sorted(set(held_times)) and held_times[-1] == last.stream_time
+    assert set(held_times) < set(times)  # each is a chunk of ~/drift; evicted ones are gone
+    assert len(tokens) == len(bucket) == len(held_times)
     assert 0 < sum(tokens) < last.kv_tokens  # the chat prefix's slots are not a chunk
     assert bucket[-1] == -1 and max(bucket) >= 1 and min(b for b in bucket if b >= 0) == 0
 

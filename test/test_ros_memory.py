@@ -207,14 +207,14 @@ def test_the_memory_view_follows_every_chunk_before_any_eviction(ros_env):
             view.chunk_done(result, frame, list(held), "camera")
         tiles = [(msg.width - GAP) // (THUMB_W + GAP) for msg in images]
         assert tiles == [1, 2, 3]
-        assert [list(msg.chunk_index) for msg in chunks] == [[0], [0, 1], [0, 1, 2]]
+        assert [list(msg.stream_time) for msg in chunks] == [[0.0], [0.0, 1.0], [0.0, 1.0, 2.0]]
         evicting = ChunkResult(3, 3.0, 0.1, [], 10, 30, 10, 1.0, 0.1, 0.1, stamp=STAMP + 3)
         held = [HeldChunk(0, 0.0, 10, 0), HeldChunk(2, 2.0, 4, 1), HeldChunk(3, 3.0, 10, -1)]
         view.chunk_done(evicting, frame, held, "camera")
         assert (images[-1].width - GAP) // (THUMB_W + GAP) == 3
         last = chunks[-1]
-        assert (list(last.chunk_index), list(last.stream_time), list(last.tokens),
-                list(last.bucket)) == ([0, 2, 3], [0.0, 2.0, 3.0], [10, 4, 10], [0, 1, -1])
+        assert (list(last.stream_time), list(last.tokens), list(last.bucket)) == (
+            [0.0, 2.0, 3.0], [10, 4, 10], [0, 1, -1])
         assert last.header.frame_id == "camera" and last.header.stamp == to_time_msg(STAMP + 3)
         node.destroy_node()
     finally:

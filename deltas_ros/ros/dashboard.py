@@ -47,8 +47,8 @@ def chunk_dict(msg: DriftScore) -> dict:
 
 
 def held_dict(msg: MemoryChunks) -> dict:
-    return {"index": list(msg.chunk_index), "stream_time": list(msg.stream_time),
-            "tokens": list(msg.tokens), "bucket": list(msg.bucket)}
+    return {"stream_time": list(msg.stream_time), "tokens": list(msg.tokens),
+            "bucket": list(msg.bucket)}
 
 
 def result_dict(result: Any) -> dict:

@@ -145,8 +145,8 @@ class MemoryView:
 
 def chunks_message(held: list[HeldChunk], stamp: float | None, frame_id: str) -> MemoryChunks:
     """A MemoryChunks of the held chunks, field arrays in step."""
-    msg = MemoryChunks(chunk_index=[h.index for h in held], stream_time=[h.time for h in held],
-                       tokens=[h.tokens for h in held], bucket=[h.bucket for h in held])
+    msg = MemoryChunks(stream_time=[h.time for h in held], tokens=[h.tokens for h in held],
+                       bucket=[h.bucket for h in held])
     if stamp is not None and math.isfinite(stamp):
         msg.header.stamp = to_time_msg(stamp)
     msg.header.frame_id = frame_id
