@@ -24,7 +24,7 @@ from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from sensor_msgs.msg import CompressedImage, Image
 
 from ..runtime.session import NOT_ACTIVE, Session
-from .adapters import CameraSubscription, camera_topic
+from .adapters import CameraSubscription, camera_topic, lifecycle_state
 from .memory_io import PoseInput
 
 FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
@@ -54,6 +54,12 @@ class MemoryLifecycle:
         if self.failure and not self.stopping.is_set():
             rclpy.try_shutdown(context=self.context)
 
+    def lifecycle_active(self) -> bool:
+        """Whether the node takes camera frames and questions (the session's `node_active`):
+        rclpy's state is active and the process is not ending (SIGINT/SIGTERM stop the node
+        without a transition). Executor threads read it."""
+        return not self.stopping.is_set() and lifecycle_state(self) == "active"
+
     # ----------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Validate the parameters, load the model, open the memory; FAILURE with the reason
@@ -63,6 +69,7 @@ class MemoryLifecycle:
             session = Session.configure(self.params)
         except (ValueError, OSError) as error:
             return self._failed(f"cannot start: {error}")
+        session.node_active = self.lifecycle_active
         self.configuring.set()
         self.session = session  # not ready yet: the services answer "not ready"
         # Said before the load (minutes for real weights): a log that stops here shows where.
@@ -101,7 +108,6 @@ class MemoryLifecycle:
         if p["pose_topic"]:
             self.poses = PoseInput(self, p["pose_topic"], p["pose_type"], p["pose_max_gap_s"],
                                    self.session.note_pose_refused)
-        self.session.active = True
         self.get_logger().info("active: taking camera frames and questions")
         return SUCCESS
 
@@ -139,13 +145,12 @@ class MemoryLifecycle:
         return SUCCESS
 
     def _stop_intake(self) -> None:
-        """Unsubscribe and stop serving questions: the one being answered stops at its next
+        """Unsubscribe and end the questions taken: rclpy's state has left active (or
+        `stopping` is set), so new ones are refused; the one being answered stops at its next
         token (the answer so far, marked cancelled), the waiting ones are refused."""
         session = self.session
-        if session is not None:
-            session.active = False
-            if session.worker is not None:
-                session.worker.cancel_questions(NOT_ACTIVE)
+        if session is not None and session.worker is not None:
+            session.worker.cancel_questions(NOT_ACTIVE)
         for entity in (self.camera, self.poses):
             if entity is not None:
                 entity.close()
