@@ -145,7 +145,15 @@ def lifecycle_state(node: Node) -> str:
     """The managed node's current lifecycle state label ("unconfigured", "configuring",
     "inactive", "active", "finalized", ...), as rclpy's state machine holds it: rclpy has no
     public getter, and ~/get_state is a service the node would have to call on itself
-    (test_node_lifecycle pins this name)."""
+    (test_node_lifecycle pins this name). The label is the state being entered while its
+    transition callback runs ("configuring" during on_configure, "activating" ...) and the
+    goal state once the callback has returned.
+
+    Safe from any thread (executor threads, the autostart thread, main at exit): rclpy's
+    binding (src/rclpy/lifecycle.cpp) reads the current-state pointer and copies its label with
+    the GIL held, and the transitions move that pointer only inside trigger_transition_*, also
+    with the GIL held; the states it points to stay valid while the node object exists (after
+    destroy_node too)."""
     return node._state_machine.current_state[1]
 
 

@@ -38,17 +38,23 @@ SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FA
 
 class MemoryLifecycle:
     """What each transition does to the node's session, camera and poses. The node
-    (`MemoryNode`) holds the state it reads: session, camera, poses, params, the events
-    stopping/configuring/autostarting, failure, finalized, lingering and the loader thread."""
+    (`MemoryNode`) holds what it reads: session, camera, poses, params, `stopping`, failure,
+    lingering and the loader thread.
+
+    The lifecycle state itself is rclpy's (`adapters.lifecycle_state`), read where it is
+    needed: active (the session's `node_active`: questions and health), configuring (a model
+    load under way, `threads_ended`), shutting down or finalized (`no_session`), and whether
+    autostart's configure is still to come (`autostarting`). Two facts stay ours because rclpy's
+    machine does not hold them: `stopping` (SIGINT/SIGTERM end the process without a
+    transition, and a configure must give up on it) and the session's `ready` (the model is
+    loaded and the worker runs: already in the configuring state, and on a session without a
+    node)."""
 
     def _autostart(self) -> None:
         """Configure and activate as a lifecycle manager would, in the background, so that the
         services answer "not ready" while the model loads. A refusal stops the node: nobody
         else would drive it."""
-        try:
-            configured = self.trigger_configure() == SUCCESS
-        finally:
-            self.autostarting.clear()
+        configured = self.trigger_configure() == SUCCESS
         if configured and not self.stopping.is_set():
             self.trigger_activate()
         if self.failure and not self.stopping.is_set():
@@ -70,7 +76,6 @@ class MemoryLifecycle:
         except (ValueError, OSError) as error:
             return self._failed(f"cannot start: {error}")
         session.node_active = self.lifecycle_active
-        self.configuring.set()
         self.session = session  # not ready yet: the services answer "not ready"
         # Said before the load (minutes for real weights): a log that stops here shows where.
         self.get_logger().info(f"loading the model from {self.values['model_path']} "
@@ -80,8 +85,6 @@ class MemoryLifecycle:
         except RuntimeError as error:
             self.session = None
             return self._failed(str(error))
-        finally:
-            self.configuring.clear()
         if problem:
             self.get_logger().error(problem)
         if self.stopping.is_set():
@@ -125,7 +128,6 @@ class MemoryLifecycle:
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Autosave and free; then leave the process (nothing can configure a finalized node)."""
         self._shut_down()
-        self.finalized = True
         self._exit_timer = self.create_timer(
             EXIT_DELAY_S, self._exit, callback_group=MutuallyExclusiveCallbackGroup(),
             clock=Clock(clock_type=ClockType.STEADY_TIME))
@@ -175,8 +177,9 @@ class MemoryLifecycle:
         self._log().info(f"{why}: the model and the memory are freed ({freed})")
 
     def threads_ended(self) -> bool:
-        """Whether no thread of ours runs model code: the loader, a configure, a worker."""
-        return not (self.configuring.is_set() or self.loader.is_alive()
+        """Whether no thread of ours runs model code: the loader, a configure (rclpy's state
+        is "configuring" until on_configure has returned), a worker."""
+        return not (lifecycle_state(self) == "configuring" or self.loader.is_alive()
                     or any(worker.alive for worker in self.lingering))
 
     def _shut_down(self) -> bool:
