@@ -149,11 +149,9 @@ def lifecycle_state(node: Node) -> str:
     transition callback runs ("configuring" during on_configure, "activating" ...) and the
     goal state once the callback has returned.
 
-    Safe from any thread (executor threads, the autostart thread, main at exit): rclpy's
-    binding (src/rclpy/lifecycle.cpp) reads the current-state pointer and copies its label with
-    the GIL held, and the transitions move that pointer only inside trigger_transition_*, also
-    with the GIL held; the states it points to stay valid while the node object exists (after
-    destroy_node too)."""
+    Thread-safe (executor threads, the autostart thread, main at exit): rclpy's binding reads
+    the state, and its transitions change it, with the GIL held (src/rclpy/lifecycle.cpp
+    releases it in neither); it stays readable after destroy_node."""
     return node._state_machine.current_state[1]
 
 

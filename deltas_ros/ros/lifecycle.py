@@ -47,8 +47,8 @@ class MemoryLifecycle:
     autostart's configure is still to come (`autostarting`). Two facts stay ours because rclpy's
     machine does not hold them: `stopping` (SIGINT/SIGTERM end the process without a
     transition, and a configure must give up on it) and the session's `ready` (the model is
-    loaded and the worker runs: already in the configuring state, and on a session without a
-    node)."""
+    loaded and the worker runs: true already before configuring ends, and a fact of a session
+    without a node too)."""
 
     def _autostart(self) -> None:
         """Configure and activate as a lifecycle manager would, in the background, so that the
