@@ -25,9 +25,11 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
 from deltas_ros.ros import lifecycle
 from deltas_ros.ros import node as node_module
+from deltas_ros.ros.adapters import lifecycle_state
 from deltas_ros.ros.node import EXECUTOR_THREADS, FINALIZED, NOT_READY, QUESTION_SLOTS, MemoryNode
 from deltas_ros.runtime import health
 from deltas_ros.runtime import session as session_module
+from deltas_ros.runtime.session import NOT_ACTIVE, NOT_CONFIGURED
 
 
 @contextmanager
@@ -249,3 +251,36 @@ def test_after_shutdown_requests_hear_finalized_and_the_process_leaves(tiny_mode
             assert wait_until(lambda: not node.context.ok(), 30)  # spin ends: main returns 0
     finally:
         tester.close()
+
+
+def test_serving_and_the_answers_without_a_session_follow_rclpys_state(tiny_model_dir, ros_env):
+    """The node keeps no lifecycle flags of its own: driven by its own triggers (no manager),
+    the session serves exactly while rclpy's state is active, and a request without a session
+    hears what the state says. SIGINT's `stopping` ends serving without a transition."""
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    values = {"model_path": str(tiny_model_dir), "autostart": False,
+              "memory_dir": str(tiny_model_dir.parent / "memory")} | {
+        key: type_of(key)(value) for key, value in SMALL.items()}
+    node = MemoryNode(context=context,
+                      parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
+    try:
+        assert node.no_session() == NOT_CONFIGURED and not node.autostarting()
+        assert node.trigger_configure() == lifecycle.SUCCESS
+        session = node.session
+        assert session.ready and not session.active
+        assert session.question_refusal("what do you see?", 0) == NOT_ACTIVE
+        node.trigger_activate()
+        assert session.active and session.serving_questions
+        node.trigger_deactivate()
+        assert lifecycle_state(node) == "inactive" and not session.serving_questions
+        node.trigger_activate()
+        node.stopping.set()  # what SIGINT does first; rclpy's state stays active
+        assert lifecycle_state(node) == "active" and not session.serving_questions
+        node.stopping.clear()
+        assert node.trigger_shutdown() == lifecycle.SUCCESS
+        assert node.session is None and node.no_session() == FINALIZED
+        assert node.threads_ended()
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)

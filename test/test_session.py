@@ -126,7 +126,7 @@ def test_questions_are_refused_before_the_worker_and_counted_apart(tmp_path):
     assert session.question_refusal("hello", 0) == NOT_READY
     session.ready = True
     assert "not active" in session.question_refusal("hello", 0)
-    session.active = True
+    session.node_active = lambda: True
     assert "empty" in session.question_refusal("  ", 0)
     assert "limit" in session.question_refusal("x" * 3000, 0)
     assert "limit 4096" in session.question_refusal("hello", 2**32 - 1)
@@ -312,7 +312,7 @@ def test_health_warns_on_what_happened_since_the_last_report(running, tmp_path):
     assert (level, message) == (Level.WARN, "loading the model")
     run = running(silence_warn_s=3600.0)
     session = run.session
-    session.active = True
+    session.node_active = lambda: True
     run.push(BASE, 2)
     run.settle(2)
     assert session.health()[:2] == (Level.OK, "ok")
@@ -329,9 +329,9 @@ def test_health_warns_on_what_happened_since_the_last_report(running, tmp_path):
     assert session.health()[:2] == (Level.WARN, "model slower than real time: chunks dropped")
     assert session.health()[0] is Level.OK
 
-    session.active = False
+    session.node_active = lambda: False
     assert session.health()[:2] == (Level.WARN, "inactive: camera intake stopped, memory kept")
-    session.active = True
+    session.node_active = lambda: True
     session.values = session.values | {"silence_warn_s": 0.01}
     session.last_frame_wall = time.monotonic() - 5
     level, message, _ = session.health()

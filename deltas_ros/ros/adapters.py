@@ -145,7 +145,13 @@ def lifecycle_state(node: Node) -> str:
     """The managed node's current lifecycle state label ("unconfigured", "configuring",
     "inactive", "active", "finalized", ...), as rclpy's state machine holds it: rclpy has no
     public getter, and ~/get_state is a service the node would have to call on itself
-    (test_node_lifecycle pins this name)."""
+    (test_node_lifecycle pins this name). The label is the state being entered while its
+    transition callback runs ("configuring" during on_configure, "activating" ...) and the
+    goal state once the callback has returned.
+
+    Thread-safe (executor threads, the autostart thread, main at exit): rclpy's binding reads
+    the state, and its transitions change it, with the GIL held (src/rclpy/lifecycle.cpp
+    releases it in neither); it stays readable after destroy_node."""
     return node._state_machine.current_state[1]
 
 

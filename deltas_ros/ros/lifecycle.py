@@ -24,7 +24,7 @@ from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from sensor_msgs.msg import CompressedImage, Image
 
 from ..runtime.session import NOT_ACTIVE, Session
-from .adapters import CameraSubscription, camera_topic
+from .adapters import CameraSubscription, camera_topic, lifecycle_state
 from .memory_io import PoseInput
 
 FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
@@ -38,21 +38,33 @@ SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FA
 
 class MemoryLifecycle:
     """What each transition does to the node's session, camera and poses. The node
-    (`MemoryNode`) holds the state it reads: session, camera, poses, params, the events
-    stopping/configuring/autostarting, failure, finalized, lingering and the loader thread."""
+    (`MemoryNode`) holds what it reads: session, camera, poses, params, `stopping`, failure,
+    lingering and the loader thread.
+
+    The lifecycle state itself is rclpy's (`adapters.lifecycle_state`), read where it is
+    needed: active (the session's `node_active`: questions and health), configuring (a model
+    load under way, `threads_ended`), shutting down or finalized (`no_session`), and whether
+    autostart's configure is still to come (`autostarting`). Two facts stay ours because rclpy's
+    machine does not hold them: `stopping` (SIGINT/SIGTERM end the process without a
+    transition, and a configure must give up on it) and the session's `ready` (the model is
+    loaded and the worker runs: true already before configuring ends, and a fact of a session
+    without a node too)."""
 
     def _autostart(self) -> None:
         """Configure and activate as a lifecycle manager would, in the background, so that the
         services answer "not ready" while the model loads. A refusal stops the node: nobody
         else would drive it."""
-        try:
-            configured = self.trigger_configure() == SUCCESS
-        finally:
-            self.autostarting.clear()
+        configured = self.trigger_configure() == SUCCESS
         if configured and not self.stopping.is_set():
             self.trigger_activate()
         if self.failure and not self.stopping.is_set():
             rclpy.try_shutdown(context=self.context)
+
+    def lifecycle_active(self) -> bool:
+        """Whether the node takes camera frames and questions (the session's `node_active`):
+        rclpy's state is active and the process is not ending (SIGINT/SIGTERM stop the node
+        without a transition). Executor threads read it."""
+        return not self.stopping.is_set() and lifecycle_state(self) == "active"
 
     # ----------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -63,7 +75,7 @@ class MemoryLifecycle:
             session = Session.configure(self.params)
         except (ValueError, OSError) as error:
             return self._failed(f"cannot start: {error}")
-        self.configuring.set()
+        session.node_active = self.lifecycle_active
         self.session = session  # not ready yet: the services answer "not ready"
         # Said before the load (minutes for real weights): a log that stops here shows where.
         self.get_logger().info(f"loading the model from {self.values['model_path']} "
@@ -73,8 +85,6 @@ class MemoryLifecycle:
         except RuntimeError as error:
             self.session = None
             return self._failed(str(error))
-        finally:
-            self.configuring.clear()
         if problem:
             self.get_logger().error(problem)
         if self.stopping.is_set():
@@ -101,7 +111,6 @@ class MemoryLifecycle:
         if p["pose_topic"]:
             self.poses = PoseInput(self, p["pose_topic"], p["pose_type"], p["pose_max_gap_s"],
                                    self.session.note_pose_refused)
-        self.session.active = True
         self.get_logger().info("active: taking camera frames and questions")
         return SUCCESS
 
@@ -119,7 +128,6 @@ class MemoryLifecycle:
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Autosave and free; then leave the process (nothing can configure a finalized node)."""
         self._shut_down()
-        self.finalized = True
         self._exit_timer = self.create_timer(
             EXIT_DELAY_S, self._exit, callback_group=MutuallyExclusiveCallbackGroup(),
             clock=Clock(clock_type=ClockType.STEADY_TIME))
@@ -139,13 +147,12 @@ class MemoryLifecycle:
         return SUCCESS
 
     def _stop_intake(self) -> None:
-        """Unsubscribe and stop serving questions: the one being answered stops at its next
+        """Unsubscribe and end the questions taken: rclpy's state has left active (or
+        `stopping` is set), so new ones are refused; the one being answered stops at its next
         token (the answer so far, marked cancelled), the waiting ones are refused."""
         session = self.session
-        if session is not None:
-            session.active = False
-            if session.worker is not None:
-                session.worker.cancel_questions(NOT_ACTIVE)
+        if session is not None and session.worker is not None:
+            session.worker.cancel_questions(NOT_ACTIVE)
         for entity in (self.camera, self.poses):
             if entity is not None:
                 entity.close()
@@ -170,8 +177,9 @@ class MemoryLifecycle:
         self._log().info(f"{why}: the model and the memory are freed ({freed})")
 
     def threads_ended(self) -> bool:
-        """Whether no thread of ours runs model code: the loader, a configure, a worker."""
-        return not (self.configuring.is_set() or self.loader.is_alive()
+        """Whether no thread of ours runs model code: the loader, a configure (rclpy's state
+        is "configuring" until on_configure has returned), a worker."""
+        return not (lifecycle_state(self) == "configuring" or self.loader.is_alive()
                     or any(worker.alive for worker in self.lingering))
 
     def _shut_down(self) -> bool:

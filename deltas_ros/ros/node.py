@@ -71,19 +71,16 @@ class MemoryNode(MemoryLifecycle, LifecycleNodeMixin, Node):
         self.session: Session | None = None  # None while unconfigured
         self.camera: CameraSubscription | None = None  # while active
         self.poses: PoseInput | None = None  # while active, with pose_topic
-        self.stopping, self.configuring = threading.Event(), threading.Event()
+        self.stopping = threading.Event()  # SIGINT/SIGTERM or shutdown: the process is ending
         self.failure = ""  # why the last transition failed (autostart: exit code 1)
-        self.finalized = False
         self.requests_failed, self._failures_lock = 0, threading.Lock()
         # Workers that did not end within SHUTDOWN_S of a cleanup: leaving the interpreter
         # while one runs inside torch aborts, so `main` checks them (threads_ended).
         self.lingering: list = []
         # Before Node.__init__: a refused parameter destroys the half-made node, which stops it.
+        # Started (with autostart) before the executor can run a callback: see `autostarting`.
         self.loader = threading.Thread(target=self._autostart, name="deltas_memory_autostart",
                                        daemon=True)
-        # Set until autostart's configure has a session or gave up: the services exist from
-        # then on, and a request in that instant must hear "not ready", not "configure it".
-        self.autostarting = threading.Event()
         Node.__init__(self, "deltas_memory", **kwargs)
         LifecycleNodeMixin.__init__(self, callback_group=MutuallyExclusiveCallbackGroup())
         # The one copy of the parameters: the session reads this object too.
@@ -98,7 +95,6 @@ class MemoryNode(MemoryLifecycle, LifecycleNodeMixin, Node):
         self.create_timer(1.0, self._on_timer, callback_group=MutuallyExclusiveCallbackGroup(),
                           clock=Clock(clock_type=ClockType.STEADY_TIME))
         if self.values["autostart"]:
-            self.autostarting.set()
             self.loader.start()
 
     @property
@@ -113,12 +109,24 @@ class MemoryNode(MemoryLifecycle, LifecycleNodeMixin, Node):
             return self.get_logger()
         return rclpy.logging.get_logger(f"{self.get_logger().name}.shutdown")
 
+    def autostarting(self) -> bool:
+        """Whether autostart's configure is still to begin or under way, from rclpy's state:
+        the loader runs, the state is unconfigured or configuring, and no transition failed nor
+        is the process ending. A request then hears "not ready", not "configure it" (the
+        services exist from the node's first instant). The loader starts in __init__, before
+        the executor runs any callback, so no request sees it not yet started. Left over: a
+        manager that cleans the node up in the instant between autostart's configure and its
+        activate hears "not ready" until that activate is refused (microseconds)."""
+        return (self.loader.is_alive() and not self.failure and not self.stopping.is_set()
+                and lifecycle_state(self) in ("unconfigured", "configuring"))
+
     def no_session(self) -> str:
-        """Why a request finds no session: the node is finalized (exiting), autostart has not
-        got to it yet (the model is about to load), or the node is unconfigured."""
-        if self.finalized:
+        """Why a request finds no session: the node is shutting down or finalized (exiting),
+        autostart has not got to it yet (the model is about to load), or the node is
+        unconfigured."""
+        if lifecycle_state(self) in ("shuttingdown", "finalized"):
             return FINALIZED
-        return NOT_READY if self.autostarting.is_set() else NOT_CONFIGURED
+        return NOT_READY if self.autostarting() else NOT_CONFIGURED
 
     def request_failed(self, name: str, error: Exception) -> str:
         """A callback of `name` raised `error`: counted, logged; the reply's message."""
@@ -177,10 +185,10 @@ class MemoryNode(MemoryLifecycle, LifecycleNodeMixin, Node):
             self.request_failed("diagnostics", error)
 
     def _report(self) -> None:
-        session = self.session
+        session, autostarting = self.session, self.autostarting()
         # rclpy's own state (autostart's configure is about to begin: configuring already)
-        lifecycle = "configuring" if self.autostarting.is_set() else lifecycle_state(self)
-        if session is None and self.autostarting.is_set():
+        lifecycle = "configuring" if autostarting else lifecycle_state(self)
+        if session is None and autostarting:
             level, message, values = loading_health(self.values)
         elif session is None:
             level, message, values = Level.WARN, f"{lifecycle} (lifecycle)", {}

@@ -2,6 +2,11 @@
 
 WARN on what happened since the previous report, not forever after one dropped chunk or bad
 frame; ERROR for ERROR_HOLD_S after a failed chunk or operation.
+
+`report` takes the session itself (its type imported for checking only): it reads most of its
+counters, its sampler, gate, worker and memory, and writes `at_last_report`, so a narrower
+type would restate Session's attributes. Of the lifecycle it reads two facts: `ready` (the
+session's) and `active` (the node's rclpy state, through the session).
 """
 
 from __future__ import annotations

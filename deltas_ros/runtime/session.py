@@ -81,7 +81,9 @@ class Session:
         self.frame_lock = threading.Lock()  # the sampler: camera thread and worker operations
         self.counter_lock = threading.Lock()
         self.ready = False  # the model is loaded and the worker runs
-        self.active = False  # lifecycle: camera intake and questions (node.py sets it)
+        # Lifecycle: whether the node is active (camera intake and questions). The node gives
+        # its managed state (rclpy's); a session without a node is never active.
+        self.node_active: Callable[[], bool] = lambda: False
         self.memory: StreamingMemory | None = None
         self.worker: MemoryWorker | None = None
         self.stats: MemoryStats | None = None  # refreshed on the worker
@@ -324,6 +326,11 @@ class Session:
             with self.counter_lock:
                 self.requests_refused += 1
             raise
+
+    @property
+    def active(self) -> bool:
+        """Lifecycle: whether the node is active, as `node_active` says now."""
+        return self.node_active()
 
     @property
     def serving_questions(self) -> bool:
