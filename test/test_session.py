@@ -47,7 +47,7 @@ class Running:
 
     def _on_chunk(self, chunk, result, held) -> None:
         """The session has recorded the chunk before it is published."""
-        assert self.session.last_result is result and held == self.session.stats.retained_chunks
+        assert self.session.last_result is result and held == self.session.stats.held
         self.reports.append((chunk.index, result.time, result.drift))
 
     def push(self, start: float, seconds: float) -> None:
