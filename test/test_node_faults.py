@@ -39,7 +39,7 @@ def node_in_process(model_dir: Path, **overrides: str) -> Iterator[MemoryNode]:
     rclpy.init(context=context)
     values = {"model_path": str(model_dir), "reliable_qos": True, "max_new_tokens": 4,
               "memory_dir": str(model_dir.parent / "memory")} | {
-        key: type_of(key)(value) for key, value in (SMALL | overrides).items()}
+        key: typed(key, value) for key, value in (SMALL | overrides).items()}
     node = MemoryNode(context=context,
                       parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
     executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS, context=context)
@@ -62,10 +62,12 @@ def node_in_process(model_dir: Path, **overrides: str) -> Iterator[MemoryNode]:
         thread.join(5)
 
 
-def type_of(name: str) -> type:
+def typed(name: str, text: str):
+    """A command-line parameter value as its parameter's type ("false" is False)."""
     from deltas_ros.runtime.params import PARAMS
 
-    return type(next(p.default for p in PARAMS if p.name == name))
+    kind = type(next(p.default for p in PARAMS if p.name == name))
+    return text.lower() == "true" if kind is bool else kind(text)
 
 
 def wait_ready(tester: Tester, node: MemoryNode) -> None:
@@ -261,7 +263,7 @@ def test_serving_and_the_answers_without_a_session_follow_rclpys_state(tiny_mode
     rclpy.init(context=context)
     values = {"model_path": str(tiny_model_dir), "autostart": False,
               "memory_dir": str(tiny_model_dir.parent / "memory")} | {
-        key: type_of(key)(value) for key, value in SMALL.items()}
+        key: typed(key, value) for key, value in SMALL.items()}
     node = MemoryNode(context=context,
                       parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
     try:
