@@ -135,6 +135,18 @@ def test_questions_are_refused_before_the_worker_and_counted_apart(tmp_path):
     assert session.questions_refused == 6
 
 
+def test_a_question_that_slips_past_a_deactivate_stops_at_its_first_token(running):
+    """Accepted while active, served after the node left active (the deactivate's cancel ran
+    in between): it stops at once, marked cancelled, as the one in progress then did."""
+    run = running()
+    session, checks = run.session, iter([True])
+    session.node_active = lambda: next(checks, False)  # active for the refusal check only
+    answer = session.ask("What did you see?", 4)
+    assert answer.cancelled and answer.generated_tokens == 0
+    session.node_active = lambda: True
+    assert not session.ask("What did you see?", 4).cancelled
+
+
 def test_chunks_before_ready_are_counted_and_frame_ids_are_bounded(tmp_path):
     session = Session(VALUES, MemoryFiles(tmp_path))
     for k in range(4):

@@ -304,8 +304,12 @@ class Session:
         if problem := self.question_refusal(question, max_new_tokens):
             raise Refused(problem)
         values = self.values
+        # A question accepted in the instant before a deactivate reaches the worker after the
+        # deactivate's cancel: it stops at its first token as the one in progress then did.
+        asked = options.pop("cancelled", None) or (lambda: False)
         return self.worker.ask(question, max_new_tokens or values["max_new_tokens"],
-                               values["ask_timeout_s"], **options)
+                               values["ask_timeout_s"],
+                               cancelled=lambda: asked() or not self.active, **options)
 
     def operate(self, verb: str, path: Path | None = None) -> OpResult:
         """Executor threads: "reset", "save" or "load" (of `path`, from `resolve_file`) on the
