@@ -349,9 +349,9 @@ class StreamingMemory:
             chunks=self.chunks_seen, kv_tokens=self.kv_tokens, kv_bytes=kv_bytes,
             state_bytes=state_bytes, next_position=self.next_position,
             max_positions=self.max_positions, span_start=span_start, span_end=span_end,
-            retained_chunks=self.slots.retained_chunks(), compactions=self.compactions,
             held=self.slots.held_chunks(self.config.sink_tokens, self.config.window_tokens,
                                         self.policy.buckets or self.config.buckets),
+            compactions=self.compactions,
         )
 
 

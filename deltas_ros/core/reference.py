@@ -74,8 +74,8 @@ def select_keep_reference(
     return sorted(list(range(sinks)) + kept + list(range(total - window, total)))
 
 
-def held_chunks_reference(table: SlotTable, sinks: int, window: int, buckets: int
-                   ) -> list[tuple[int, float, int, int]]:
+def held_chunks_reference(table: SlotTable, sinks: int, window: int,
+                          buckets: int) -> list[tuple[int, float, int, int]]:
     """`SlotTable.held_chunks` as a loop over chunks: (chunk, time, slots, bucket) each, where its
     bucket is that of its first slot among the candidates `select_keep_reference` ranks."""
     order = table.arrival_order().tolist()

@@ -116,9 +116,13 @@ class MemoryStats:
     max_positions: int
     span_start: float
     span_end: float
-    retained_chunks: list[int] = field(default_factory=list)
-    compactions: int = 0
     held: list[HeldChunk] = field(default_factory=list)  # the retained chunks, oldest first
+    compactions: int = 0
+
+    @property
+    def retained_chunks(self) -> list[int]:
+        """Indices of the held chunks, oldest first."""
+        return [h.index for h in self.held]
 
 
 @dataclass

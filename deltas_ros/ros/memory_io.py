@@ -121,9 +121,8 @@ class PoseInput:
 class MemoryView:
     """What the memory holds, for a person looking: ~/memory_image, the strip of retained
     chunks, and ~/memory_chunks, every held chunk with its tokens and bucket (both transient
-    local), refreshed after every chunk (~1 ms to draw and wrap the strip; a full memory evicts
-    on every chunk anyway, so the cost is that of the steady state from the first chunk on).
-    Called on the worker thread."""
+    local), refreshed after every chunk: a full memory evicts on every chunk anyway, so this is
+    the steady state's cost from the first chunk on. Called on the worker thread."""
 
     def __init__(self, node: Node, thumbnails: int) -> None:
         qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
