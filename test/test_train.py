@@ -138,16 +138,19 @@ def test_train_checkpoint_export_and_resume(tmp_path):
     assert loaded.model.config.text_config.layer_types.count("full_attention") == 2
 
 
-def test_busy_config_continues_the_shipped_model_and_resumes(tmp_path):
-    """config/train_busy.yaml loads, starts from the shipped model's weights (not a fresh
-    initialization) on busy streams, and two steps resumed for a third equal three straight."""
+def test_busy_config_continues_a_model_and_resumes(tmp_path):
+    """config/train_busy.yaml loads, continues the sparse run's export (here the shipped model
+    stands in for it) on busy streams rather than a fresh initialization, and two steps resumed
+    for a third equal three straight."""
     from deltas_ros.core.loader import SHIPPED_MODEL
 
     root = Path(__file__).parents[1]
     short = [replace(s, seconds=(2, 3)) for s in
              TrainConfig.from_file(root / "config/train_busy.yaml").stages]
+    assert TrainConfig.from_file(root / "config/train_busy.yaml").init == "out/train/model"
     cfg = TrainConfig.from_file(root / "config/train_busy.yaml", batch=2, questions=2,
-                                validation_streams=2, validation_seconds=3)
+                                validation_streams=2, validation_seconds=3,
+                                init=str(SHIPPED_MODEL))
     assert all(s.options().busy for s in short) and cfg.vision_pretrain.steps == 0
     cfg = replace(cfg, stages=short)
     shipped = load_model(SHIPPED_MODEL, "cpu").model.state_dict()
