@@ -40,13 +40,19 @@ from deltas_ros.training.questions import is_correct
 from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import BUSY, SceneStream
 
-from .answers import FULL, STATE, cell, conditions, run_condition
+from .answers import FULL, STATE, cell, conditions, run_condition, wilson
 from .busy import busy_questions
 from .common import add_answers_args, finish, md_table, run_answers
 from .retention import PIXEL_DIFF
 
 POSITIONS = ("early", "middle", "late")
 NEVER = "never shown"
+STATE_BASED = ("deltas", "surprise", "deltas_surprise")
+CONTROLS = ("recency", "uniform", "random")
+# Per token against per chunk, on the same questions: (policy, against).
+PAIRS = (("surprise", "deltas"), ("deltas_surprise", "deltas"), ("beta_error", "deltas"),
+         ("key_norm", "deltas"))
+BOOTSTRAP = 2000
 
 
 def position(events: list[dict], question: str, seconds: float) -> str:
@@ -130,6 +136,81 @@ def report(table: dict[str, Any], records: list[dict]) -> str:
     return text
 
 
+def share(hits: list[int]) -> float:
+    return hits[0] / hits[1]
+
+
+def verdicts(table: dict[str, Any]) -> str:
+    """Per length and budget, read from the intervals as the targets are worded: the best
+    policies (ties named together); the state-based ones whose share lies inside the best's
+    95 % interval; whether DeltaS is ahead of every control by more than the intervals (its
+    lower bound above their upper bounds)."""
+    lengths = sorted({int(s) for per in table.values() for s in per})
+    budgets = sorted({float(c.split("@")[1]) for c in table if "@" in c})
+    rows = []
+    for seconds in lengths:
+        for fraction in budgets:
+            cells = {c.split("@")[0]: table[c][str(seconds)]["all"] for c in table
+                     if c.endswith(f"@{fraction:g}") and str(seconds) in table[c]}
+            if not cells:
+                continue
+            top = max(share(hits) for hits in cells.values())
+            best = sorted(p for p in cells if share(cells[p]) == top)
+            low, high = wilson(*cells[best[0]])
+            level = [p for p in STATE_BASED if p in cells and low <= share(cells[p]) <= high]
+            named = ", ".join(best[:3]) + (f" +{len(best) - 3}" if len(best) > 3 else "")
+            ahead = "-"
+            if "deltas" in cells and all(c in cells for c in CONTROLS):
+                floor = wilson(*cells["deltas"])[0]
+                ahead = "yes" if all(floor > wilson(*cells[c])[1] for c in CONTROLS) else "no"
+            rows.append([f"{seconds} s", f"{100 * fraction:g} %",
+                         f"{100 * top:.0f}: {named}", ", ".join(level) or "none",
+                         ahead])
+    return md_table(["stream", "budget", "best", "state-based within the best's interval",
+                     "DeltaS ahead of recency, uniform, random"], rows)
+
+
+def paired(records: list[dict], policy: str, against: str, seconds: int, fraction: float,
+           seed: int = 0) -> tuple[float, float, float] | None:
+    """policy's share correct minus against's, in points, on the same questions, with a 95 %
+    bootstrap interval over streams (the questions of a stream are not independent)."""
+    import numpy as np
+
+    by_stream: dict[int, list[list[int]]] = {}
+    wanted = {f"{policy}@{fraction:g}": 0, f"{against}@{fraction:g}": 1}
+    for r in records:
+        if r["seconds"] == seconds and r["condition"] in wanted:
+            hits = by_stream.setdefault(r["seed"], [[0, 0], [0, 0]])[wanted[r["condition"]]]
+            hits[0] += bool(r["correct"])
+            hits[1] += 1
+    if not by_stream or any(n == 0 for pair in by_stream.values() for _, n in pair):
+        return None
+    counts = np.array([[a[0], b[0], a[1]] for a, b in by_stream.values()], dtype=float)
+    diff = 100 * (counts[:, 0].sum() - counts[:, 1].sum()) / counts[:, 2].sum()
+    draws = np.random.default_rng(seed).integers(0, len(counts), (BOOTSTRAP, len(counts)))
+    sums = counts[draws].sum(axis=1)
+    spread = 100 * (sums[:, 0] - sums[:, 1]) / sums[:, 2]
+    return diff, float(np.percentile(spread, 2.5)), float(np.percentile(spread, 97.5))
+
+
+def paired_report(records: list[dict]) -> str:
+    lengths = sorted({r["seconds"] for r in records})
+    budgets = sorted({float(r["condition"].split("@")[1]) for r in records
+                      if "@" in r["condition"]})
+    pairs = [(a, b) for a, b in PAIRS
+             if any(r["condition"].startswith(f"{a}@") for r in records)
+             and any(r["condition"].startswith(f"{b}@") for r in records)]
+    rows = []
+    for seconds in lengths:
+        for fraction in budgets:
+            row = [f"{seconds} s", f"{100 * fraction:g} %"]
+            for a, b in pairs:
+                d = paired(records, a, b, seconds, fraction)
+                row.append("-" if d is None else f"{d[0]:+.0f} ({d[1]:+.0f} to {d[2]:+.0f})")
+            rows.append(row)
+    return md_table(["stream", "budget", *(f"{a} - {b}" for a, b in pairs)], rows)
+
+
 def plot(table: dict[str, Any], out: Path) -> Path:
     """% correct against the budget, a panel per stream length, a line per policy; full
     memory and state only as horizontal lines (they do not depend on the budget)."""
@@ -192,6 +273,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     title = (f"Retention in the busy world: {Path(results['model']).name}, {args.objects} "
              "objects a stream")
     body = report(table, records)
+    body += ("\nPer stream length and budget: the best policy, the state-based policies level "
+             "with it (share inside its 95 % interval) and whether DeltaS is ahead of the "
+             "controls by more than the intervals:\n\n" + verdicts(table))
+    body += ("\nPer token against per chunk on the same questions: the difference in points "
+             f"correct (95 % bootstrap interval over streams, {BOOTSTRAP} draws):\n\n"
+             + paired_report(records))
     body += f"\n![retention per policy]({plot(table, args.out).name})\n"
     return finish(args.out, results, title, body)
 

@@ -68,6 +68,40 @@ def test_an_object_is_placed_where_it_was_last_in_view():
     assert where(events, "Did you see a green circle?", 120) == busy_retention.NEVER
 
 
+def _records(hits: dict[str, list[int]], seconds: int = 120) -> list[dict]:
+    """One question a stream (seed) per entry: 1 right, 0 wrong."""
+    return [{"seconds": seconds, "seed": seed, "condition": condition, "correct": bool(right),
+             "position": "early"}
+            for condition, answers in hits.items() for seed, right in enumerate(answers)]
+
+
+def test_verdicts_read_the_intervals_as_the_targets_do():
+    """The best share names every policy at it; a state-based policy counts as level only
+    inside the best's interval; DeltaS is ahead only when its lower bound clears every
+    control's upper bound."""
+    many = 60
+    table = busy_retention.aggregate(_records({
+        "key_norm@0.02": [1] * many, "surprise@0.02": [1] * (many - 1) + [0],
+        "deltas@0.02": [1] * (many // 2) + [0] * (many // 2),
+        "recency@0.02": [0] * many, "uniform@0.02": [0] * many, "random@0.02": [0] * many}))
+    row = busy_retention.verdicts(table).splitlines()[-1]
+    assert row == "| 120 s | 2 % | 100: key_norm | surprise | yes |"
+    table = busy_retention.aggregate(_records({
+        "deltas@0.02": [1, 0, 1, 1], "recency@0.02": [0, 0, 1, 0],
+        "uniform@0.02": [1, 0, 1, 0], "random@0.02": [1, 1, 1, 1]}))
+    row = busy_retention.verdicts(table).splitlines()[-1]
+    assert row == "| 120 s | 2 % | 100: random | deltas | no |"  # 4 questions: wide
+
+
+def test_paired_difference_is_per_question_with_a_stream_bootstrap():
+    records = _records({"surprise@0.05": [1, 1, 1, 1], "deltas@0.05": [1, 0, 1, 0]})
+    diff, low, high = busy_retention.paired(records, "surprise", "deltas", 120, 0.05)
+    assert diff == 50 and 0 <= low <= diff <= high <= 100
+    assert busy_retention.paired(records, "surprise", "deltas", 120, 0.05) == \
+        (diff, low, high)  # deterministic
+    assert busy_retention.paired(records, "surprise", "deltas", 300, 0.05) is None
+
+
 @pytest.mark.slow  # streams through the shipped model
 def test_busy_retention_bench_runs(tmp_path):
     busy_retention.main(["--streams", "1", "--objects", "3", "--seconds", "12",
@@ -78,5 +112,6 @@ def test_busy_retention_bench_runs(tmp_path):
     assert all(set(per) == {"12"} and "all" in per["12"] for per in table.values())
     report = (tmp_path / "busy_retention.md").read_text()
     assert "| condition | early | middle | late | never shown |" in report
+    assert "| stream | budget | best | state-based within the best's interval |" in report
     assert "![retention per policy](busy_retention.png)" in report
     assert (tmp_path / "busy_retention.png").stat().st_size > 10_000
