@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -95,17 +96,17 @@ def stream_chunks(count: int, width: int, height: int, seed: int) -> Frames:
 
 
 class PolicyRun:
-    """One policy's memory over the shared model, and the costs it recorded."""
+    """A memory under its current policy, and the costs it records from here on: its policy's
+    score() and StreamMem's proxy forward timed (a later PolicyRun on the same memory, after
+    the policy was swapped, takes the timing over), the recordings timed into `replays`
+    (`time_recordings`)."""
 
-    def __init__(self, loaded: LoadedModel, policy: str, args: argparse.Namespace,
-                 replays: list[float]) -> None:
-        self.policy = policy
-        self.memory = StreamingMemory(loaded, MemoryConfig(
-            budget_tokens=args.budget, window_tokens=args.window, policy=policy,
-            pixel_budget=args.pixel_budget))
+    def __init__(self, memory: StreamingMemory, replays: list[float]) -> None:
+        self.memory, self.policy = memory, memory.policy.name
+        device = memory.loaded.device
         self.scores: list[float] = []
-        self.memory.policy.score = timed(self.memory.policy.score, self.scores, loaded.device)
-        self.memory.saliency = timed(self.memory.saliency, self.scores, loaded.device)
+        memory.policy.score = timed(memory.policy.score, self.scores, device)
+        memory.saliency = timed(partial(StreamingMemory.saliency, memory), self.scores, device)
         self.replays = replays  # shared: only the recording policies' memories record into it
         self.forward: list[float] = []
         self.drift: list[float] = []
@@ -138,15 +139,24 @@ class PolicyRun:
         return row
 
 
+def time_recordings(memory: StreamingMemory, replays: list[float]) -> None:
+    """Time every call of the per-token recordings (the beta*||e|| replay, the state
+    surprise) that `memory`'s backend makes inside its forward, into `replays`."""
+    device = memory.loaded.device
+    memory.backend.strength_fn = timed(write_strength, replays, device)
+    memory.backend.surprise_fn = timed(state_surprise, replays, device)
+
+
 def run_policies(loaded: LoadedModel, chunks: Frames,
                  args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Each chunk through every policy's memory before the next chunk: all rows see the same
     frames under the same machine conditions."""
     replays: list[float] = []
-    runs = [PolicyRun(loaded, policy, args, replays) for policy in args.policies]
-    for run in runs:  # only the recording policies' memories record; timed per instance
-        run.memory.backend.strength_fn = timed(write_strength, replays, loaded.device)
-        run.memory.backend.surprise_fn = timed(state_surprise, replays, loaded.device)
+    runs = [PolicyRun(StreamingMemory(loaded, MemoryConfig(
+        budget_tokens=args.budget, window_tokens=args.window, policy=policy,
+        pixel_budget=args.pixel_budget)), replays) for policy in args.policies]
+    for run in runs:  # only the recording policies' memories record
+        time_recordings(run.memory, replays)
     for i, (frames, times) in enumerate(chunks):
         for run in runs:
             run.add(frames, times, measured=i >= args.warmup)

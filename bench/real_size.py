@@ -19,7 +19,10 @@ batched search, as the node asks); and the two searches alone on the same questi
 and --candidates held chunks (evenly spread over the memory), old then new, each with its
 peak RSS above the RSS before it (VmHWM reset through /proc/self/clear_refs), their drops
 compared. "Question with evidence, old path" is the question without evidence plus the old
-search, both measured in the same round. --smoke: the tiny model, a few chunks (CI).
+search, both measured in the same round. Last, every --policies signal side by side on the
+same full memory (DeltaS, the state surprise and the paper's baselines: what each costs per
+chunk and per eviction event at this size, `signals_side_by_side`). --smoke: the tiny model, a
+few chunks (CI).
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ import torch
 
 from deltas_ros.core.asking import by_drop, leave_one_out_batched
 from deltas_ros.core.branches import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
+from deltas_ros.core.drift import write_strength
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.policy import POLICY_NAMES, make_policy
 from deltas_ros.core.reference import leave_one_out
+from deltas_ros.core.signals import state_surprise
 
 from .bounded_memory import rss_bytes
 from .common import (
@@ -54,17 +60,23 @@ from .common import (
     start_results,
     verdict,
 )
-from .engine_overhead import stream_chunks
+from .engine_overhead import Frames, PolicyRun, stream_chunks, time_recordings
 
 DEFAULT_CONFIG = Path(__file__).parents[1] / "config" / "models" / "qwen3_5_0_8b.json"
 QUESTION = "Where is the cup?"
 ANSWER = " The cup is on the table by the window, next to the red box."
 TARGET_QUESTION_S = 10.0  # a question with evidence at the 0.8B dimensions on this CPU
 MIN_EVENTS = 50
+# DeltaS, the state surprise and the paper's baselines (bench.engine_overhead times them all
+# on the tiny model).
+SIDE_BY_SIDE = ("deltas", "surprise", "deltas_surprise", "infinipot_v", "streammem",
+                "beta_error")
+MAX_SIGNAL_FRACTION = 0.01  # a state signal's share of the chunk forward at 0.8B
+STATE_SIGNALS = ("deltas", "surprise", "deltas_surprise")
 MAX_GROWTH = 0.05
 SMOKE = dict(config=None, chunks=12, budget=120, window=40, pixel_budget=4096, width=160,
              height=120, sample_every=4, questions=1, candidates=4, max_new_tokens=2,
-             min_events=1)
+             min_events=1, policy_chunks=2)
 
 
 def peak_rss(work: Callable[[], Any]) -> tuple[Any, int | None]:
@@ -87,10 +99,10 @@ def progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def stream(memory: StreamingMemory, args: argparse.Namespace) -> dict[str, Any]:
+def stream(memory: StreamingMemory, chunks: Frames, args: argparse.Namespace) -> dict[str, Any]:
     """The chunks through the memory: the engine's timings and the RSS samples."""
     results, samples, start = [], [], None
-    for frames, times in stream_chunks(args.chunks, args.width, args.height, args.seed):
+    for frames, times in chunks:
         result = memory.add_chunk(frames, times)
         results.append(result)
         index = result.index
@@ -183,20 +195,53 @@ def question_round(memory: StreamingMemory, args: argparse.Namespace) -> dict[st
     return timings
 
 
+def signals_side_by_side(memory: StreamingMemory, chunks: Frames,
+                         args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every --policies signal at this size, in one run: on the same memory, full at M after
+    the stream, --policy-chunks further chunks under each policy in turn (only the policy is
+    swapped), its own signal and each eviction event timed as bench.engine_overhead times
+    them. Slots kept from before keep the scores they were given; what an eviction event costs
+    depends on the new policy's kind (a choice over runs or over slots)."""
+    replays: list[float] = []
+    time_recordings(memory, replays)
+    rows = {}
+    for k, policy in enumerate(args.policies):
+        memory.policy = make_policy(policy)
+        run = PolicyRun(memory, replays)
+        for frames, times in chunks[k * args.policy_chunks:(k + 1) * args.policy_chunks]:
+            run.add(frames, times, measured=True)
+        rows[policy] = run.row()
+        progress(f"{memory.loaded.dtype}: {policy} signal {rows[policy]['policy_signal_ms']:.1f}"
+                 f" ms, eviction {rows[policy]['evict_ms_per_event']:.1f} ms / event")
+    memory.backend.strength_fn, memory.backend.surprise_fn = write_strength, state_surprise
+    if "deltas" in rows:
+        base = rows["deltas"]
+        for row in rows.values():
+            row["signal_x_deltas"] = row["policy_signal_ms"] / base["policy_signal_ms"]
+            row["evict_x_deltas"] = row["evict_ms_per_event"] / base["evict_ms_per_event"]
+    return rows
+
+
 def run_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
-    """The stream and the questions on a fresh model of `dtype`; the model freed after."""
+    """The stream, the questions and the signals side by side on a fresh model of `dtype`;
+    the model freed after."""
     loaded: LoadedModel = bench_model(argparse.Namespace(
         model=None, config=args.config, device="cpu", dtype=dtype, seed=args.seed))
     memory = StreamingMemory(loaded, MemoryConfig(
         budget_tokens=args.budget, window_tokens=args.window, pixel_budget=args.pixel_budget,
         max_new_tokens=args.max_new_tokens, evidence_candidates=args.candidates,
         max_question_s=3600.0))
-    row = {"model": describe_model(loaded), **stream(memory, args)}
+    chunks = stream_chunks(args.chunks, args.width, args.height, args.seed)
+    row = {"model": describe_model(loaded), **stream(memory, chunks, args)}
     row["rounds"] = [question_round(memory, args) for _ in range(args.questions)]
-    for key in ("ask_ms", "ask_evidence_ms", "ask_evidence_old_ms", "old_search_ms",
-                "new_search_ms"):
-        row[key] = median([r[key] for r in row["rounds"]])
-    row["search_speedup"] = row["old_search_ms"] / row["new_search_ms"]
+    if row["rounds"]:
+        for key in ("ask_ms", "ask_evidence_ms", "ask_evidence_old_ms", "old_search_ms",
+                    "new_search_ms"):
+            row[key] = median([r[key] for r in row["rounds"]])
+        row["search_speedup"] = row["old_search_ms"] / row["new_search_ms"]
+    more = stream_chunks(args.chunks + len(args.policies) * args.policy_chunks, args.width,
+                         args.height, args.seed)[args.chunks:]  # stream times go on
+    row["signals"] = signals_side_by_side(memory, more, args)
     del memory, loaded
     gc.collect()
     return row
@@ -217,9 +262,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--width", type=int, default=640)
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--sample-every", type=int, default=10, help="chunks between samples")
-    parser.add_argument("--questions", type=int, default=2, help="question rounds")
+    parser.add_argument("--questions", type=int, default=2, help="question rounds (0: none)")
     parser.add_argument("--candidates", type=int, default=32, help="evidence candidates")
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--policies", nargs="+", default=list(SIDE_BY_SIDE),
+                        choices=POLICY_NAMES, help="signals timed side by side after the stream")
+    parser.add_argument("--policy-chunks", type=int, default=4,
+                        help="chunks under each of --policies")
     parser.add_argument("--min-events", type=int, default=MIN_EVENTS,
                         help="eviction events the stream must reach")
     parser.add_argument("--smoke", action="store_true",
@@ -252,7 +301,6 @@ def checks(r: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for dtype, d in r["dtypes"].items():
         growth = d.get("rss_growth", math.nan)
-        same = all(q["same_evidence"] for q in d["rounds"])
         rows += [
             [f"{dtype}: eviction events", d["eviction_events"], f">= {r['min_events']}",
              verdict(d["eviction_events"] >= r["min_events"])],
@@ -263,6 +311,16 @@ def checks(r: dict[str, Any]) -> list[dict[str, Any]]:
             [f"{dtype}: real-time factor (forward / 1 s of stream)",
              f"{d['real_time_factor']:.2f}", "< 1 keeps up with 2 fps",
              verdict(d["real_time_factor"] < 1)],
+        ]
+        rows += [[f"{dtype}: {policy} signal, share of the forward",
+                  percent(s["signal_fraction"]), f"<= {percent(MAX_SIGNAL_FRACTION)} at 0.8B",
+                  verdict(s["signal_fraction"] <= MAX_SIGNAL_FRACTION) if at_0_8b
+                  else "n/a (not the 0.8B config)"]
+                 for policy, s in d["signals"].items() if policy in STATE_SIGNALS]
+        if not d["rounds"]:
+            continue
+        same = all(q["same_evidence"] for q in d["rounds"])
+        rows += [
             [f"{dtype}: question with evidence (batched search)",
              f"{d['ask_evidence_ms'] / 1e3:.1f} s", f"<= {TARGET_QUESTION_S:.0f} s at 0.8B",
              verdict(d["ask_evidence_ms"] <= TARGET_QUESTION_S * 1e3) if at_0_8b
@@ -304,12 +362,21 @@ def report(r: dict[str, Any]) -> str:
                 "n/a" if new_peak is None else f"{new_peak / mib:.0f}",
                 f"{q['batch_bytes_estimate'] / mib:.0f}", f"{q['max_drop_difference']:.2g}",
                 q["same_ranking"]])
-    body += "\n" + md_table(
+    signals = [[dtype, policy, f"{s['policy_signal_ms']:.2f}", percent(s["signal_fraction"]),
+                f"{s.get('signal_x_deltas', math.nan):.1f}x", f"{s['evict_ms_per_event']:.2f}",
+                percent(s["evict_fraction"]), f"{s.get('evict_x_deltas', math.nan):.1f}x",
+                s["eviction_events"]]
+               for dtype, d in r["dtypes"].items() for policy, s in d["signals"].items()]
+    body += ("\nEvery signal side by side, after the stream, on the same memory at M (each "
+             "policy's own chunks; medians):\n\n" + md_table(
+                 ["dtype", "policy", "signal ms / chunk", "of forward", "x deltas",
+                  "eviction ms / event", "of forward", "x deltas", "events"], signals))
+    body += "\n" + (not questions and "No question rounds (--questions 0).\n" or md_table(
         ["dtype", "question + answer tokens", "KV", "ask s (no evidence)",
          "ask s (evidence, batched)", "ask s (evidence, old: no evidence + old search)",
          "candidates", "old search s", "batched search s", "speed-up", "rows x batches",
          "old search peak RSS MiB", "batched peak RSS MiB", "batch estimate MiB",
-         "max |drop difference|", "same ranking"], questions)
+         "max |drop difference|", "same ranking"], questions))
     body += "\n" + md_table(["check", "measured", "target", "result"],
                            [list(check.values()) for check in r["checks"]])
     body += (f"\nStream: synth_stream {r['frame_size'][0]}x{r['frame_size'][1]} at 2 fps, two "

@@ -129,9 +129,17 @@ def test_real_size_smoke_runs_both_dtypes_on_the_cpu(tmp_path):
         assert only["candidates"] == 4 and only["same_evidence"] and only["batches"] == 1
         assert only["old_search_ms"] > 0 and only["new_search_ms"] > 0 and only["ask_ms"] > 0
         assert only["ask_evidence_old_ms"] == only["ask_ms"] + only["old_search_ms"]
+        # Every signal side by side on the full memory, DeltaS the unit.
+        signals = row["signals"]
+        assert list(signals) == list(real_size.SIDE_BY_SIDE)
+        assert signals["deltas"]["signal_x_deltas"] == 1.0
+        assert all(s["policy_signal_ms"] > 0 and s["eviction_events"] == 2
+                   for s in signals.values())
     assert results["dtypes"]["float32"]["rounds"][0]["max_drop_difference"] < 1e-4
     verdicts = {c["check"]: c["result"] for c in results["checks"]}
-    assert len(verdicts) == 12 and verdicts["float32: evidence, batched vs old"] == "PASS"
+    assert len(verdicts) == 18 and verdicts["float32: evidence, batched vs old"] == "PASS"
+    assert verdicts["float32: surprise signal, share of the forward"] == \
+        "n/a (not the 0.8B config)"
     assert verdicts["bfloat16: question with evidence (batched search)"] == \
         "n/a (not the 0.8B config)"
 
