@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -138,6 +139,33 @@ def report(table: dict[str, Any], records: list[dict]) -> str:
 
 def share(hits: list[int]) -> float:
     return hits[0] / hits[1]
+
+
+def summary(table: dict[str, Any]) -> str:
+    """The main table folded for a README: a row per policy, a column per budget, each cell
+    the stream lengths' shares in order; policies by their mean share over the budgets under
+    25 % (the paper's regime), best first."""
+    lengths = sorted({int(s) for per in table.values() for s in per})
+    budgets = sorted({float(c.split("@")[1]) for c in table if "@" in c})
+    policies = sorted({c.split("@")[0] for c in table if "@" in c})
+
+    def shares(condition: str) -> list[float]:
+        per = table.get(condition, {})
+        return [100 * share(per[str(s)]["all"]) if str(s) in per else math.nan
+                for s in lengths]
+
+    def line(values: list[float]) -> str:
+        return " · ".join("-" if math.isnan(v) else f"{v:.0f}" for v in values)
+
+    def regime(policy: str) -> float:
+        values = [v for f in budgets if f < 0.25 for v in shares(f"{policy}@{f:g}")]
+        return sum(values) / len(values) if values else 0.0
+
+    rows = [[name, line(shares(name))] + [""] * (len(budgets) - 1)
+            for name in (FULL, STATE) if name in table]
+    rows += [[policy] + [line(shares(f"{policy}@{f:g}")) for f in budgets]
+             for policy in sorted(policies, key=lambda p: (-regime(p), p))]
+    return md_table(["policy"] + [f"{100 * f:g} %" for f in budgets], rows)
 
 
 def verdicts(table: dict[str, Any]) -> str:
@@ -272,7 +300,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["table"] = table
     title = (f"Retention in the busy world: {Path(results['model']).name}, {args.objects} "
              "objects a stream")
-    body = report(table, records)
+    lengths = " · ".join(f"{s} s" for s in sorted({r["seconds"] for r in records}))
+    body = (f"In short, % correct at {lengths} (the tables below give the intervals):\n\n"
+            + summary(table) + "\n" + report(table, records))
     body += ("\nPer stream length and budget: the best policy, the state-based policies level "
              "with it (share inside its 95 % interval) and whether DeltaS is ahead of the "
              "controls by more than the intervals:\n\n" + verdicts(table))

@@ -86,6 +86,8 @@ def test_verdicts_read_the_intervals_as_the_targets_do():
         "recency@0.02": [0] * many, "uniform@0.02": [0] * many, "random@0.02": [0] * many}))
     row = busy_retention.verdicts(table).splitlines()[-1]
     assert row == "| 120 s | 2 % | 100: key_norm | surprise | yes |"
+    folded = busy_retention.summary(table).splitlines()
+    assert folded[2:4] == ["| key_norm | 100 |", "| surprise | 98 |"]  # best first
     table = busy_retention.aggregate(_records({
         "deltas@0.02": [1, 0, 1, 1], "recency@0.02": [0, 0, 1, 0],
         "uniform@0.02": [1, 0, 1, 0], "random@0.02": [1, 1, 1, 1]}))
