@@ -147,6 +147,16 @@ def time_recordings(memory: StreamingMemory, replays: list[float]) -> None:
     memory.backend.surprise_fn = timed(state_surprise, replays, device)
 
 
+def against_deltas(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each row's signal and eviction per event as multiples of the deltas row's (same run)."""
+    if "deltas" in rows:
+        base = rows["deltas"]
+        for row in rows.values():
+            row["signal_x_deltas"] = row["policy_signal_ms"] / base["policy_signal_ms"]
+            row["evict_x_deltas"] = row["evict_ms_per_event"] / base["evict_ms_per_event"]
+    return rows
+
+
 def run_policies(loaded: LoadedModel, chunks: Frames,
                  args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Each chunk through every policy's memory before the next chunk: all rows see the same
@@ -161,12 +171,7 @@ def run_policies(loaded: LoadedModel, chunks: Frames,
         for run in runs:
             run.add(frames, times, measured=i >= args.warmup)
     rows = {run.policy: run.row() for run in runs}
-    if "deltas" in rows:
-        base = rows["deltas"]
-        for row in rows.values():
-            row["signal_x_deltas"] = row["policy_signal_ms"] / base["policy_signal_ms"]
-            row["evict_x_deltas"] = row["evict_ms_per_event"] / base["evict_ms_per_event"]
-    return rows
+    return against_deltas(rows)
 
 
 def micro_signals(device: torch.device, text, chunk_tokens: int, reps: int) -> dict[str, float]:

@@ -60,7 +60,13 @@ from .common import (
     start_results,
     verdict,
 )
-from .engine_overhead import Frames, PolicyRun, stream_chunks, time_recordings
+from .engine_overhead import (
+    Frames,
+    PolicyRun,
+    against_deltas,
+    stream_chunks,
+    time_recordings,
+)
 
 DEFAULT_CONFIG = Path(__file__).parents[1] / "config" / "models" / "qwen3_5_0_8b.json"
 QUESTION = "Where is the cup?"
@@ -214,12 +220,7 @@ def signals_side_by_side(memory: StreamingMemory, chunks: Frames,
         progress(f"{memory.loaded.dtype}: {policy} signal {rows[policy]['policy_signal_ms']:.1f}"
                  f" ms, eviction {rows[policy]['evict_ms_per_event']:.1f} ms / event")
     memory.backend.strength_fn, memory.backend.surprise_fn = write_strength, state_surprise
-    if "deltas" in rows:
-        base = rows["deltas"]
-        for row in rows.values():
-            row["signal_x_deltas"] = row["policy_signal_ms"] / base["policy_signal_ms"]
-            row["evict_x_deltas"] = row["evict_ms_per_event"] / base["evict_ms_per_event"]
-    return rows
+    return against_deltas(rows)
 
 
 def run_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
