@@ -73,12 +73,12 @@ echo "== asking: $question"
 echo "== the stream's truth: $truth"
 
 echo "== the same stream offline, per policy, at a budget of ${BUDGET:-80} tokens"
-for policy in deltas recency uniform; do
+for policy in surprise deltas recency uniform; do
   echo "-- $policy"
   "$cli" run "$bag" "${run_model[@]}" --policy "$policy" "${offline_args[@]}" \
     --ask "$question" --quiet --out "$out/$policy.jsonl" | tail -n 4
 done
-"$cli" plot "$out"/deltas.jsonl "$out"/recency.jsonl "$out"/uniform.jsonl --out "$out/memory.png"
+"$cli" plot "$out"/{surprise,deltas,recency,uniform}.jsonl --out "$out/memory.png"
 echo "== done: answer in $out/answer.txt, plot in $out/memory.png"
 if $dashboard; then
   echo "== the node and the dashboard keep running at http://127.0.0.1:${DASHBOARD_PORT:-8080}/;" \

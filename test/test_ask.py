@@ -115,8 +115,9 @@ def test_evidence_poses_are_the_chunk_poses(memory):
 
 
 def test_poses_follow_eviction(tiny_model):
+    # DeltaS drops chunks whole: some of the 12 and their poses are surely gone.
     memory = StreamingMemory(tiny_model, MemoryConfig(budget_tokens=120, window_tokens=40,
-                                                      **TINY_FRAMES))
+                                                      policy="deltas", **TINY_FRAMES))
     results = [memory.add_chunk(frames_for(c), [c, c + 0.5], stamp=1000.0 + c,
                                 pose=None if c == 3 else pose_at(c)) for c in range(12)]
     assert results[5].pose == pose_at(5) and results[3].pose is None

@@ -22,13 +22,16 @@ def last_attention_layer(module, *args, **kwargs) -> bool:
     return module.layer_idx == LAST_ATTENTION
 
 
-@pytest.mark.parametrize("owner, name, only", [
-    (Qwen3_5VisionModel, "forward", any_call),
-    (Qwen3_5Attention, "forward", last_attention_layer),  # after 6 linear layers and 1 attention
-    (memory_module, "select_runs", any_call),  # after the whole prefill and scoring
-], ids=["vision", "attention", "eviction"])
-def test_failed_chunk_rolls_back_bit_identically(tiny_model, monkeypatch, owner, name, only):
-    memory = StreamingMemory(tiny_model, MemoryConfig(**FAULT_CONFIG))
+@pytest.mark.parametrize("owner, name, only, policy", [
+    (Qwen3_5VisionModel, "forward", any_call, "surprise"),
+    (Qwen3_5Attention, "forward", last_attention_layer, "surprise"),  # after 6 linear, 1 attention
+    # after the whole prefill and scoring: per-chunk scores choose runs, per-token ones slots
+    (memory_module, "select_runs", any_call, "deltas"),
+    (memory_module, "select_keep", any_call, "surprise"),
+], ids=["vision", "attention", "eviction", "eviction-per-token"])
+def test_failed_chunk_rolls_back_bit_identically(tiny_model, monkeypatch, owner, name, only,
+                                                 policy):
+    memory = StreamingMemory(tiny_model, MemoryConfig(**FAULT_CONFIG, policy=policy))
     feed(memory, range(8))  # full: the next chunk evicts
     before, twin = frozen(memory), copy.deepcopy(memory)
     calls = fail_on_call(monkeypatch, owner, name, 1, only)

@@ -64,7 +64,8 @@ def test_memory_file_is_one_private_safetensors_file(tiny_model, tmp_path):
     assert metadata["model"] == {"name": "tiny",
                                  "config_sha256": config_sha256(tiny_model.model.config),
                                  "weights_sha256": weights_sha256(tiny_model.model)}
-    assert metadata["config"]["budget_tokens"] == 160 and metadata["config"]["policy"] == "deltas"
+    assert metadata["config"]["budget_tokens"] == 160
+    assert metadata["config"]["policy"] == "surprise"
     assert metadata["stream"]["chunks_seen"] == 3 and metadata["stream"]["last_stamp"] == 1002.0
     assert metadata["extra"] == {"bag": "run3"} and len(metadata["sha256"]) == 64
     assert load_memory(memory, path) == metadata
@@ -131,7 +132,7 @@ def not_a_memory_file(source, target):
     (missing_tensor, {}, "missing \\['slots.score'\\]"),
     (not_a_memory_file, {}, "not a deltas_ros memory file"),
     (None, {"budget_tokens": 200}, "budget_tokens 160 \\(this memory: 200\\)"),
-    (None, {"policy": "recency", "window_tokens": 50}, "window_tokens 40.*policy 'deltas'"),
+    (None, {"policy": "recency", "window_tokens": 50}, "window_tokens 40.*policy 'surprise'"),
 ], ids=["truncated", "flipped-byte", "edited-metadata", "format-version", "missing-tensor",
         "not-a-memory-file", "budget", "policy"])
 def test_bad_files_are_refused_and_change_nothing(tiny_model, saved, tmp_path, make_bad, config,

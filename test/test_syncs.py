@@ -3,9 +3,10 @@
 A CPU-only machine cannot count CUDA synchronisations, so this test records every call that
 would be one on a device tensor (item, tolist, cpu, numpy, bool/int/float of a tensor, nonzero,
 unique, boolean-mask indexing: a data-dependent size) made from deltas_ros code while the tiny
-model streams through steady-state evictions (DeltaS policy), and compares the
-call sites with the list below. Each allowed site says why it is not a per-chunk device sync:
-the only device read is the drift's one transfer of 2L norms; the rest run on the slot table and
+model streams through steady-state evictions, and compares the call sites with the list below.
+Each allowed site says why it is not a per-chunk device sync: under DeltaS the only device read
+is the drift's one transfer of 2L norms; a per-token state policy (the default `surprise`) reads
+its chunk's n token scores once more, right after it; the rest run on the slot table and
 the chunk's inputs, which live on the host by design (a few KiB per slot row; selection runs in
 numpy on the host and the device only receives the index tensors, host-to-device).
 A new host read of a device tensor (e.g. an `.item()` on a cache tensor in memory.py or
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import traceback
 
+import pytest
 import torch
 from engine_helpers import TINY_FRAMES, frames_for
 from torch.overrides import TorchFunctionMode
@@ -29,6 +31,7 @@ READS = {T.item, T.tolist, T.cpu, T.numpy, T.__bool__, T.__int__, T.__float__, T
          T.nonzero, torch.nonzero, T.unique, torch.unique, T.masked_select, torch.masked_select}
 
 DEVICE_SYNCS = {("drift.py", "drift_of_views", "tolist")}  # the one: 2L norms, documented
+TOKEN_SYNCS = {("signals.py", "layer_mean", "cpu")}  # per-token policies: the chunk's n scores
 HOST_TABLE = {  # slot table, selection and chunk inputs: host tensors by design
     ("chunks.py", "build", "tolist"),  # the chunk's grid, before it goes to the device
     ("slots.py", "append", "cpu"),  # host positions / scores: a no-op on host tensors
@@ -36,6 +39,7 @@ HOST_TABLE = {  # slot table, selection and chunk inputs: host tensors by design
     ("memory.py", "evict_to_budget", "numpy"), ("slots.py", "arrival_order", "numpy"),
     ("slots.py", "keep_slots", "numpy"), ("slots.py", "moved", "numpy"),
     ("slots.py", "held", "numpy"), ("slots.py", "append", "numpy"),  # the scores' host copy
+    ("memory.py", "_ingest", "item"),  # the mean of the token scores, already on the host
 }
 
 
@@ -60,9 +64,11 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_per_chunk_path_reads_the_device_once_per_chunk(tiny_model):
+@pytest.mark.parametrize("policy, syncs", [("deltas", DEVICE_SYNCS),
+                                           ("surprise", DEVICE_SYNCS | TOKEN_SYNCS)])
+def test_the_per_chunk_path_reads_the_device_only_where_listed(tiny_model, policy, syncs):
     memory = StreamingMemory(tiny_model, MemoryConfig(budget_tokens=80, window_tokens=20,
-                                                      **TINY_FRAMES))
+                                                      policy=policy, **TINY_FRAMES))
     for chunk in range(10):  # the cache fills, the buffers are allocated
         memory.add_chunk(frames_for(chunk), [chunk, chunk + 0.5])
     chunks = 4
@@ -70,6 +76,7 @@ def test_the_per_chunk_path_reads_the_device_once_per_chunk(tiny_model):
         for chunk in range(10, 10 + chunks):
             assert memory.add_chunk(frames_for(chunk), [chunk, chunk + 0.5]).evicted_tokens
     sites = set(reads.sites)
-    assert sites - HOST_TABLE - DEVICE_SYNCS == set(), "new host reads in the per-chunk path"
-    assert DEVICE_SYNCS <= sites  # the guard sees the one it allows (it can fail)
-    assert sum(reads.sites[s] for s in DEVICE_SYNCS) == chunks  # exactly one per chunk
+    assert sites - HOST_TABLE - syncs == set(), "new host reads in the per-chunk path"
+    assert syncs <= sites  # the guard sees the ones it allows (it can fail)
+    for site in syncs:
+        assert reads.sites[site] == chunks  # exactly once per chunk each

@@ -51,7 +51,11 @@ class StreamConfig:
 
 @dataclass
 class MemoryConfig:
-    """How much the memory holds and how it chooses (defaults: the paper's).
+    """How much the memory holds and how it chooses.
+
+    Budget, sinks, window and buckets default to the paper's; the policy to `surprise`, the
+    per-token state signal, which kept the most of every state-based policy in the busy-world
+    evaluation (`deltas` is the paper's per-chunk DeltaS).
 
     compact_margin: positions kept free below max_position_embeddings for questions and their
     answers; positions are compacted when a chunk would reach into them.
@@ -73,7 +77,7 @@ class MemoryConfig:
     sink_tokens: int = 4
     window_tokens: int = 1024
     buckets: int = 4
-    policy: str = "deltas"
+    policy: str = "surprise"
     seed: int = 0
     pixel_budget: int = DEFAULT_PIXEL_BUDGET
     max_new_tokens: int = 64
