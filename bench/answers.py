@@ -253,6 +253,7 @@ def plot(table: dict[str, Any], out: Path, seconds: float) -> Path:
     axes[0][0].set_ylabel("colour/shape/yes-no accuracy")
     axes[0][-1].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "answers.png"
     fig.savefig(path, dpi=110)
     return path
