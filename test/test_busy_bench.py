@@ -1,14 +1,15 @@
-"""bench/busy.py and bench/busy_retention.py: the questions they ask about a busy stream, where
-an object sits in it, and a smoke run of each."""
+"""bench/busy.py, bench/busy_retention.py and bench/busy_misses.py: the questions they ask about a
+busy stream, where an object sits in it and what it shares, and a smoke run of each."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from bench import busy, busy_retention
+from bench import busy, busy_misses, busy_retention
 from deltas_ros.training.questions import identities_of
 
 
@@ -117,3 +118,25 @@ def test_busy_retention_bench_runs(tmp_path):
     assert "| stream | budget | best | state-based within the best's interval |" in report
     assert "![retention per policy](busy_retention.png)" in report
     assert (tmp_path / "busy_retention.png").stat().st_size > 10_000
+
+
+def test_an_object_is_grouped_by_what_it_shares_with_earlier_objects():
+    events = [{"kind": "object", "time": t, "end": t + 2, "shape": s, "colour": c}
+              for t, c, s in ((5, "red", "circle"), (20, "blue", "square"),
+                              (40, "blue", "triangle"), (60, "red", "circle"))]
+    assert busy_misses.sharing(events, "red", "circle") == "again"  # back at 60 s
+    assert busy_misses.sharing(events, "blue", "square") == "new"
+    assert busy_misses.sharing(events, "blue", "triangle") == "shares"  # blue at 20 s
+    chunk_times = np.array([4.25, 5.25, 7.25, 30.25, 62.25])  # 2 frames 0.5 s apart each
+    assert busy_misses.in_view(events, "red", "circle", chunk_times).tolist() == \
+        [False, True, True, False, True]
+
+
+@pytest.mark.slow  # streams through the shipped model
+def test_busy_misses_bench_runs(tmp_path):
+    busy_misses.main(["--streams", "1", "--objects", "3", "--seconds", "12", "--fraction", "0.3",
+                      "--policies", "surprise", "--out", str(tmp_path)])
+    records = [json.loads(r) for r in (tmp_path / "busy_misses.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(r["group"] in busy_misses.GROUPS for r in records)
+    assert all(r["held"] >= 0 and 0 <= r["percentile"] <= 1 for r in records)
+    assert "| surprise | 12 s | all | 3 |" in (tmp_path / "busy_misses.md").read_text()
