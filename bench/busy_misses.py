@@ -24,7 +24,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,10 @@ from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES
 from deltas_ros.core.slots import PREFIX_CHUNK
 from deltas_ros.training.questions import identities_of, is_correct
-from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
-from deltas_ros.training.scenes import BUSY, SceneStream
 
 from .answers import wilson
 from .busy import busy_questions
-from .busy_retention import position
+from .busy_retention import busy_streams, position
 from .common import add_answers_args, finish, md_table, run_answers
 
 GROUPS = ("new", "shares", "again")
@@ -74,52 +71,44 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
     pixel_budget = resolve_pixel_budget(args.pixel_budget, loaded.path)
     probe = StreamingMemory(loaded, MemoryConfig(pixel_budget=pixel_budget))
     sinks = probe.kv_tokens
-    options = replace(BUSY, objects=(args.objects, args.objects))
     with records_path.open("a") as out:
-        for seconds in args.seconds:
-            for seed in range(args.first_seed, args.first_seed + args.streams):
-                if seed >= VALIDATION_SEEDS:
-                    raise ValueError("evaluation seeds must stay below the validation seeds")
-                scene = SceneStream(seconds, args.width, args.height, seed, options)
-                chunks = sampled_chunks(scene)
-                events = scene.events()
-                qas = [qa for kind, qa in busy_questions(events, seed) if kind == "seen: shown"]
-                tokens = sinks + sum(probe.builder.build(f, t, 0).num_tokens for f, t in chunks)
-                budget = max(round(args.fraction * tokens), sinks + args.window + 1)
-                for policy in args.policies:
-                    started = time.perf_counter()
-                    memory = StreamingMemory(loaded, MemoryConfig(
-                        budget_tokens=budget, sink_tokens=sinks, window_tokens=args.window,
-                        policy=policy, seed=seed, pixel_budget=pixel_budget,
-                        max_new_tokens=args.max_new_tokens, evidence_candidates=0))
-                    scores, times = [], []
-                    for frames, stamps in chunks:
-                        memory.add_chunk(frames, stamps)
-                        newest = memory.slots.chunk == memory.chunks_seen - 1
-                        scores.append(memory.slots.score[newest])  # its scores as given
-                        times.append(np.full(int(scores[-1].numel()), np.mean(stamps)))
-                    all_scores, all_times = torch.cat(scores).numpy(), np.concatenate(times)
-                    held = memory.slots.time.numpy()[memory.slots.chunk.numpy() != PREFIX_CHUNK]
-                    on_objects = np.zeros(len(held), bool)
-                    for shown in identities_of(events):
-                        on_objects |= in_view(events, shown["colour"], shown["shape"], held)
-                    for qa in qas:
-                        colour, shape = qa.question.removeprefix("Did you see a ").rstrip(
-                            "?").split(" ")
-                        best = all_scores[in_view(events, colour, shape, all_times)].max()
-                        out.write(json.dumps({
-                            "seconds": seconds, "seed": seed, "policy": policy,
-                            "question": qa.question,
-                            "correct": is_correct(qa, memory.ask(qa.question).text),
-                            "held": int(in_view(events, colour, shape, held).sum()),
-                            "stream_held": len(held),
-                            "stream_off_objects": int((~on_objects).sum()),
-                            "percentile": float((all_scores < best).mean()),
-                            "group": sharing(events, colour, shape),
-                            "position": position(events, qa.question, seconds)}) + "\n")
-                    out.flush()
-                    print(f"{seconds:4d} s seed {seed} {policy:16s} "
-                          f"({time.perf_counter() - started:.1f} s)", flush=True)
+        for seconds, seed, chunks, events, tokens in busy_streams(args, probe):
+            qas = [qa for kind, qa in busy_questions(events, seed) if kind == "seen: shown"]
+            budget = max(round(args.fraction * tokens), sinks + args.window + 1)
+            for policy in args.policies:
+                started = time.perf_counter()
+                memory = StreamingMemory(loaded, MemoryConfig(
+                    budget_tokens=budget, sink_tokens=sinks, window_tokens=args.window,
+                    policy=policy, seed=seed, pixel_budget=pixel_budget,
+                    max_new_tokens=args.max_new_tokens, evidence_candidates=0))
+                scores, times = [], []
+                for frames, stamps in chunks:
+                    memory.add_chunk(frames, stamps)
+                    newest = memory.slots.chunk == memory.chunks_seen - 1
+                    scores.append(memory.slots.score[newest])  # its scores as given
+                    times.append(np.full(int(scores[-1].numel()), np.mean(stamps)))
+                all_scores, all_times = torch.cat(scores).numpy(), np.concatenate(times)
+                held = memory.slots.time.numpy()[memory.slots.chunk.numpy() != PREFIX_CHUNK]
+                on_objects = np.zeros(len(held), bool)
+                for shown in identities_of(events):
+                    on_objects |= in_view(events, shown["colour"], shown["shape"], held)
+                for qa in qas:
+                    colour, shape = qa.question.removeprefix("Did you see a ").rstrip(
+                        "?").split(" ")
+                    best = all_scores[in_view(events, colour, shape, all_times)].max()
+                    out.write(json.dumps({
+                        "seconds": seconds, "seed": seed, "policy": policy,
+                        "question": qa.question,
+                        "correct": is_correct(qa, memory.ask(qa.question).text),
+                        "held": int(in_view(events, colour, shape, held).sum()),
+                        "stream_held": len(held),
+                        "stream_off_objects": int((~on_objects).sum()),
+                        "percentile": float((all_scores < best).mean()),
+                        "group": sharing(events, colour, shape),
+                        "position": position(events, qa.question, seconds)}) + "\n")
+                out.flush()
+                print(f"{seconds:4d} s seed {seed} {policy:16s} "
+                      f"({time.perf_counter() - started:.1f} s)", flush=True)
 
 
 def report(records: list[dict]) -> str:

@@ -27,6 +27,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -66,39 +67,47 @@ def position(events: list[dict], question: str, seconds: float) -> str:
     return POSITIONS[min(int(3 * last / seconds), 2)]
 
 
+def busy_streams(args: argparse.Namespace, probe: StreamingMemory,
+                 ) -> Iterator[tuple[int, int, list, list[dict], int]]:
+    """(seconds, seed, chunks, events, tokens with the chat prefix) per held-out busy stream of
+    --objects objects, for each --seconds length and --streams seeds from --first-seed."""
+    options = replace(BUSY, objects=(args.objects, args.objects))
+    for seconds in args.seconds:
+        for seed in range(args.first_seed, args.first_seed + args.streams):
+            if seed >= VALIDATION_SEEDS:
+                raise ValueError("evaluation seeds must stay below the validation seeds")
+            scene = SceneStream(seconds, args.width, args.height, seed, options)
+            chunks = sampled_chunks(scene)
+            tokens = probe.kv_tokens + sum(probe.builder.build(f, t, 0).num_tokens
+                                           for f, t in chunks)
+            yield seconds, seed, chunks, scene.events(), tokens
+
+
 def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
     pixel_budget = resolve_pixel_budget(args.pixel_budget, loaded.path)
     probe = StreamingMemory(loaded, MemoryConfig(pixel_budget=pixel_budget))
     sinks = probe.kv_tokens  # the chat prefix: kept whatever the budget
-    options = replace(BUSY, objects=(args.objects, args.objects))
     with records_path.open("a") as out:
-        for seconds in args.seconds:
-            for seed in range(args.first_seed, args.first_seed + args.streams):
-                if seed >= VALIDATION_SEEDS:
-                    raise ValueError("evaluation seeds must stay below the validation seeds")
-                scene = SceneStream(seconds, args.width, args.height, seed, options)
-                chunks = sampled_chunks(scene)
-                events = scene.events()
-                qas = [qa for kind, qa in busy_questions(events, seed) if kind.startswith("seen")]
-                tokens = sinks + sum(probe.builder.build(f, t, 0).num_tokens for f, t in chunks)
-                for name, budget, policy in conditions(args, tokens, sinks):
-                    started = time.perf_counter()
-                    config = MemoryConfig(
-                        budget_tokens=budget, sink_tokens=sinks, window_tokens=args.window,
-                        policy="deltas" if policy == PIXEL_DIFF else policy, seed=seed,
-                        pixel_budget=pixel_budget, max_new_tokens=args.max_new_tokens,
-                        evidence_candidates=0)
-                    answers = run_condition(loaded, chunks, qas, config, policy == PIXEL_DIFF)
-                    for qa, text, _ in answers:
-                        out.write(json.dumps({
-                            "seconds": seconds, "seed": seed, "condition": name,
-                            "budget": budget, "tokens": tokens, "question": qa.question,
-                            "truth": qa.answer, "answer": text, "correct": is_correct(qa, text),
-                            "position": position(events, qa.question, seconds)}) + "\n")
-                    out.flush()
-                    print(f"{seconds:4d} s seed {seed} {name:22s} "
-                          f"{sum(is_correct(q, t) for q, t, _ in answers)}/{len(answers)} "
-                          f"({time.perf_counter() - started:.1f} s)", flush=True)
+        for seconds, seed, chunks, events, tokens in busy_streams(args, probe):
+            qas = [qa for kind, qa in busy_questions(events, seed) if kind.startswith("seen")]
+            for name, budget, policy in conditions(args, tokens, sinks):
+                started = time.perf_counter()
+                config = MemoryConfig(
+                    budget_tokens=budget, sink_tokens=sinks, window_tokens=args.window,
+                    policy="deltas" if policy == PIXEL_DIFF else policy, seed=seed,
+                    pixel_budget=pixel_budget, max_new_tokens=args.max_new_tokens,
+                    evidence_candidates=0)
+                answers = run_condition(loaded, chunks, qas, config, policy == PIXEL_DIFF)
+                for qa, text, _ in answers:
+                    out.write(json.dumps({
+                        "seconds": seconds, "seed": seed, "condition": name,
+                        "budget": budget, "tokens": tokens, "question": qa.question,
+                        "truth": qa.answer, "answer": text, "correct": is_correct(qa, text),
+                        "position": position(events, qa.question, seconds)}) + "\n")
+                out.flush()
+                print(f"{seconds:4d} s seed {seed} {name:22s} "
+                      f"{sum(is_correct(q, t) for q, t, _ in answers)}/{len(answers)} "
+                      f"({time.perf_counter() - started:.1f} s)", flush=True)
 
 
 def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, list[int]]]]:
