@@ -66,12 +66,14 @@ class DashboardPage:
                             r.read()
                         self.images_fetched += 1
                     kind = ""
-        except (OSError, ValueError):
-            pass  # the dashboard stopped
+        except (OSError, ValueError, AttributeError):
+            pass  # the dashboard stopped (AttributeError: http.client, closed mid-readline)
 
     def close(self) -> str:
         """Stop the dashboard and its reader; the dashboard's stderr."""
         err = stop_process(self.process)
+        # The dashboard's exit ends the stream, so the reader sees its end and returns; closing
+        # the stream under it first raced http.client's readline (an exception in the thread).
+        self.thread.join(10)
         self.stream.close()
-        self.thread.join(5)
         return err
