@@ -61,7 +61,7 @@ def busy_questions(events: list[dict], seed: int) -> list[tuple[str, QA]]:
     unseen = [(c, s) for c in COLOURS for s in SHAPES if (c, s) not in shown]
     out: list[tuple[str, QA]] = []
     for colour, shape in sorted(shown, key=lambda p: (SHAPES.index(p[1]), p[0])):
-        out.append(("seen: shown", _qa("seen", events, colour, shape)))
+        out.append(("seen: shown", ask_about("seen", events, colour, shape)))
     negatives = []
     for obj in objects:
         near = [p for p in unseen if p not in negatives
@@ -70,17 +70,20 @@ def busy_questions(events: list[dict], seed: int) -> list[tuple[str, QA]]:
         pool = near if near and rng.random() < NEAR_NEGATIVE else rest
         if pool:
             negatives.append(pool[int(rng.integers(len(pool)))])
-    out += [("seen: never shown", _qa("seen", events, c, s)) for c, s in negatives]
+    out += [("seen: never shown", ask_about("seen", events, c, s)) for c, s in negatives]
     for shape in sorted({s for _, s in shown}, key=SHAPES.index):
         many = sum(s == shape for _, s in shown) > 1
-        out.append((f"colour: {'shared' if many else 'unique'}", _qa("colour", events, "", shape)))
+        kind = f"colour: {'shared' if many else 'unique'}"
+        out.append((kind, ask_about("colour", events, "", shape)))
     for colour in sorted({c for c, _ in shown}, key=list(COLOURS).index):
         many = sum(c == colour for c, _ in shown) > 1
-        out.append((f"shape: {'shared' if many else 'unique'}", _qa("shape", events, colour, "")))
+        kind = f"shape: {'shared' if many else 'unique'}"
+        out.append((kind, ask_about("shape", events, colour, "")))
     return out
 
 
-def _qa(form: str, events: list[dict], colour: str, shape: str) -> QA:
+def ask_about(form: str, events: list[dict], colour: str, shape: str) -> QA:
+    """One question of `form` about this colour and/or shape, with its true answer."""
     question = TEMPLATES[form].format(colour=colour, shape=shape)
     return QA(form, question, answer_for(form, events, colour=colour, shape=shape))
 

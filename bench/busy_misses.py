@@ -37,7 +37,7 @@ from deltas_ros.core.slots import PREFIX_CHUNK
 from deltas_ros.training.questions import identities_of, is_correct
 
 from .answers import wilson
-from .busy import busy_questions
+from .busy import ask_about
 from .busy_retention import busy_streams, position
 from .common import add_answers_args, finish, md_table, run_answers
 
@@ -46,14 +46,13 @@ HALF_CHUNK_S = 0.25  # a chunk's frames lie this far either side of its time (2 
 
 
 def sharing(events: list[dict], colour: str, shape: str) -> str:
-    """What an identity's first appearance shares with the objects shown before it."""
-    objects = sorted((e for e in events if e.get("kind") == "object"), key=lambda e: e["time"])
-    first = next(e for e in objects if (e["colour"], e["shape"]) == (colour, shape))
-    before = [e for e in objects if e["time"] < first["time"]]
-    if any(e is not first and (e["colour"], e["shape"]) == (colour, shape)
-           for e in objects if e["time"] > first["time"]):
+    """`again` if the identity is shown more than once, else what it shares with the objects
+    shown before it."""
+    objects = [e for e in events if e.get("kind") == "object"]
+    mine = [e["time"] for e in objects if (e["colour"], e["shape"]) == (colour, shape)]
+    if len(mine) > 1:
         return "again"
-    if any(e["colour"] == colour or e["shape"] == shape for e in before):
+    if any(e["colour"] == colour or e["shape"] == shape for e in objects if e["time"] < mine[0]):
         return "shares"
     return "new"
 
@@ -73,7 +72,6 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
     sinks = probe.kv_tokens
     with records_path.open("a") as out:
         for seconds, seed, chunks, events, tokens in busy_streams(args, probe):
-            qas = [qa for kind, qa in busy_questions(events, seed) if kind == "seen: shown"]
             budget = max(round(args.fraction * tokens), sinks + args.window + 1)
             for policy in args.policies:
                 started = time.perf_counter()
@@ -92,9 +90,9 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                 on_objects = np.zeros(len(held), bool)
                 for shown in identities_of(events):
                     on_objects |= in_view(events, shown["colour"], shown["shape"], held)
-                for qa in qas:
-                    colour, shape = qa.question.removeprefix("Did you see a ").rstrip(
-                        "?").split(" ")
+                for shown in identities_of(events):
+                    colour, shape = shown["colour"], shown["shape"]
+                    qa = ask_about("seen", events, colour, shape)
                     best = all_scores[in_view(events, colour, shape, all_times)].max()
                     out.write(json.dumps({
                         "seconds": seconds, "seed": seed, "policy": policy,
@@ -127,6 +125,7 @@ def report(records: list[dict]) -> str:
             rows.append([policy, f"{seconds} s", group, len(these),
                          f"{100 * hits / len(these):.0f} ({100 * low:.0f}-{100 * high:.0f})",
                          f"{np.mean([r['held'] == 0 for r in these]):.2f}",
+                         sum(r["held"] == 0 for r in missed),
                          f"{np.mean([r['held'] for r in these if r['held']] or [0]):.1f}",
                          f"{np.median([r['percentile'] for r in these]):.2f}",
                          f"{np.median([r['percentile'] for r in missed]):.2f}" if missed
@@ -135,17 +134,20 @@ def report(records: list[dict]) -> str:
                                    for p in ("early", "middle", "late")) if missed else "-"])
     streams = []
     for policy, seconds in keys:
-        first = {r["seed"]: r for r in records if (r["policy"], r["seconds"]) == (policy, seconds)}
-        streams.append([policy, f"{seconds} s", len(first),
-                         f"{np.mean([r['stream_held'] for r in first.values()]):.1f}",
-                         f"{np.mean([r['stream_off_objects'] for r in first.values()]):.1f}"])
+        per_stream = {r["seed"]: r for r in records
+                      if (r["policy"], r["seconds"]) == (policy, seconds)}.values()
+        streams.append([policy, f"{seconds} s", len(per_stream),
+                        f"{np.mean([r['stream_held'] for r in per_stream]):.1f}",
+                        f"{np.mean([r['stream_off_objects'] for r in per_stream]):.1f}"])
     return ("Per object identity shown: % answered \"did you see\" right (95 % Wilson interval); "
-            "share with no token held from the chunks it was in view; tokens held per object "
+            "share with no token held from the chunks it was in view, and how many of the "
+            "missed; tokens held per object "
             "that holds any; its best token's score "
             "as a percentile of the stream's tokens (median), over all and over the missed; "
             "where the missed ones were last in view:\n\n"
             + md_table(["policy", "length", "group", "objects", "correct", "none held",
-                        "tokens held", "percentile", "percentile (missed)", "missed at"], rows)
+                        "missed, none held", "tokens held", "percentile",
+                        "percentile (missed)", "missed at"], rows)
             + "\nPer stream (mean): tokens held beyond the chat prefix (the recent window "
             "included) and those from chunks in which no object was in view:\n\n"
             + md_table(["policy", "length", "streams", "tokens held", "no object in view"],

@@ -66,8 +66,8 @@ class DashboardPage:
                             r.read()
                         self.images_fetched += 1
                     kind = ""
-        except (OSError, ValueError, AttributeError):
-            pass  # the dashboard stopped (AttributeError: http.client, closed mid-readline)
+        except (OSError, ValueError):
+            pass  # the dashboard stopped
 
     def close(self) -> str:
         """Stop the dashboard and its reader; the dashboard's stderr."""

@@ -292,9 +292,15 @@ def raw_frame(i: int, stamp: float, encoding: str = "rgb8") -> Image:
 
 
 def start(model_dir: Path, env: dict[str, str], topic: str = "/camera/image_raw",
-          **overrides: str) -> subprocess.Popen:
+          ignore_sigint: bool = False, **overrides: str) -> subprocess.Popen:
+    """The node process; ignore_sigint: started as a script's or CI's background job is, with
+    SIGINT ignored (inherited across exec)."""
+    def ignore() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     return subprocess.Popen(node_command(model_dir, topic, **(SMALL | overrides)), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ignore if ignore_sigint else None)
 
 
 def stop(process: subprocess.Popen, sig: int = signal.SIGINT) -> tuple[int, str]:

@@ -16,10 +16,8 @@ import pytest
 from deltas_ros.srv import AskMemory
 from ros_helpers import (
     PREFIX,
-    SMALL,
     Tester,
     make_slow_loading_model,
-    node_command,
     raw_frame,
     start,
     status_values,
@@ -160,12 +158,7 @@ def test_sigint_while_the_imports_load_exits_0_without_a_traceback(tiny_model_di
                                                                    delay_s, parent_ignores):
     """Also when the node is started with SIGINT ignored, as a script's or CI's background job
     starts it: the signal that came during the imports was lost, and the node ran on."""
-    def ignore_sigint() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    process = subprocess.Popen(node_command(tiny_model_dir, "/camera/image_raw", **SMALL),
-                               env=ros_domain, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, preexec_fn=ignore_sigint if parent_ignores else None)
+    process = start(tiny_model_dir, ros_domain, ignore_sigint=parent_ignores)
     time.sleep(delay_s)  # torch and transformers take seconds to import
     code, seconds, err = exit_after(process, signal.SIGINT)
     assert code == 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
