@@ -219,10 +219,10 @@ def setup_sh_configure_args(build: Path, venv: Path) -> list[str]:
     drift apart), into `build`, with BUILD_TESTING switched on."""
     script = (REPO / "scripts" / "setup.sh").read_text().replace("\\\n", " ")
     line = next(line for line in script.splitlines()
-                if '"$venv/bin/cmake" -S . -B build' in line)
+                if '"$venv/bin/cmake" -S . -B "$build"' in line)
     command = line.split(">")[0].replace("$root", str(REPO)).replace("$venv", str(venv))
     args = shlex.split(command)[1:]  # without the cmake executable
-    assert "-DBUILD_TESTING=OFF" in args and args[:4] == ["-S", ".", "-B", "build"]
+    assert "-DBUILD_TESTING=OFF" in args and args[:4] == ["-S", ".", "-B", "$build"]
     return ["-S", str(REPO), "-B", str(build)] + [
         "-DBUILD_TESTING=ON" if arg == "-DBUILD_TESTING=OFF" else arg for arg in args[4:]]
 
@@ -231,9 +231,9 @@ def test_colcon_test_registers_the_pytest_suite(tmp_path):
     """`colcon test` runs ctest in the build folder: configured as scripts/setup.sh does but
     with BUILD_TESTING=ON, ctest knows the pytest suite, run on this package's test/ folder
     (listed, not run: the suite takes minutes)."""
-    venv = REPO / ".venv"
-    if not (venv / "bin" / "cmake").exists():
-        pytest.skip("no .venv from scripts/setup.sh (colcon configures the package itself)")
+    venv = Path(sys.prefix)  # .venv, or .venv-jazzy under scripts/test.sh --distro jazzy
+    if not (venv / ".requirements.sha256").exists():
+        pytest.skip("not a venv from scripts/setup.sh (colcon configures the package itself)")
     build = tmp_path / "build"
     cmake = [str(venv / "bin" / "cmake"), *setup_sh_configure_args(build, venv)]
     configure = subprocess.run(cmake, cwd=REPO, capture_output=True, text=True, timeout=120)
