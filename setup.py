@@ -37,6 +37,7 @@ setup(
         "rosbags",
         "matplotlib",
         "tqdm",
+        "aiohttp",  # the dashboard's HTTP server
     ],
     # fla's Triton kernels for the Gated DeltaNet layers on CUDA (torch's are used without it).
     extras_require={"cuda": ["flash-linear-attention==0.6.0"]},

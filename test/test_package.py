@@ -23,7 +23,7 @@ ROSDEP = {"numpy": "python3-numpy", "opencv-python-headless": "python3-opencv",
           "torch": "python3-torch", "torchvision": "python3-torchvision",
           "transformers": "python3-transformers-pip", "safetensors": None, "tokenizers": None,
           "rosbags": "python3-rosbags-pip", "matplotlib": "python3-matplotlib",
-          "tqdm": "python3-tqdm", "simplejpeg": None}
+          "tqdm": "python3-tqdm", "simplejpeg": None, "aiohttp": "python3-aiohttp"}
 
 
 def manifest(tag: str) -> set[str]:
@@ -67,7 +67,7 @@ def test_every_import_is_declared():
     assert "\n-r requirements-core.txt\n" in dev
     core_pins = [line.split("==")[0] for line in core.splitlines() if "==" in line]
     assert not [p for p in core_pins if p.startswith("ros-") or p in ("cmake", "ninja")]
-    for dist in ("torch", "transformers", "numpy", "rosbags", "tqdm"):
+    for dist in ("torch", "transformers", "numpy", "rosbags", "tqdm", "aiohttp"):
         assert dist in core_pins and f'"{dist}' in setup, dist
     xml = (REPO / "package.xml").read_text()
     for dist in ("tokenizers", "safetensors"):
