@@ -18,7 +18,11 @@ batched forward is independent), so per question and k it is read off both ranki
 - top-1: the first k by attention contain the full search's winner (then the k-search reports
   that winner first);
 - top-3: how much of the full search's top three the k-search's top three share, and how often
-  they are the same set.
+  they are the same set;
+- on questions whose best drop is material (>= MATERIAL_DROP): top-1 again, and how much of
+  the full search's best drop the k-search's best reaches;
+- on "did you see" questions about a shown object: how often the k-search's strongest chunk
+  lies at the object (within 1 s of a time it was in view, as bench.answers scores evidence).
 The default count is the smallest k with top-1 >= 95 % and a top-3 overlap >= 90 %.
 
     python -m bench.evidence_candidates --streams 6 --out bench/results/evidence_candidates
@@ -41,11 +45,12 @@ from typing import Any
 from deltas_ros.core.asking import leave_one_out_batched
 from deltas_ros.core.loader import LoadedModel, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.training.questions import identities_of, objects_of
 from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import BUSY, SceneStream
 
-from .answers import wilson
-from .busy import busy_questions, parse_setting
+from .answers import EVIDENCE_SLACK_S, wilson
+from .busy import ask_about, busy_questions, parse_setting
 from .common import add_answers_args, finish, md_table, run_answers
 
 KS = (1, 2, 4, 8, 16)
@@ -72,7 +77,9 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                 memory = StreamingMemory(loaded, full)
                 for frames, times in sampled_chunks(scene):
                     memory.add_chunk(frames, times)
-                for kind, qa in busy_questions(scene.events(), seed):
+                events = scene.events()
+                spans = shown_spans(events)
+                for kind, qa in busy_questions(events, seed):
                     memory.config = full
                     searched = memory.ask(qa.question)
                     memory.config = mass
@@ -86,10 +93,25 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                         "truncated": searched.truncated,
                         "search_ms": searched.latency_ms - attended.latency_ms,
                         "searched": searched.evidence_times,
-                        "attended": attended.evidence_times, "drops": drops}) + "\n")
+                        "attended": attended.evidence_times, "drops": drops,
+                        "shown": spans.get(qa.question, [])}) + "\n")
                 out.flush()
                 print(f"{objects} objects {seconds} s seed {seed} "
                       f"({time.perf_counter() - started:.1f} s)", flush=True)
+
+
+def shown_spans(events: list[dict]) -> dict[str, list[list[float]]]:
+    """{"did you see" question about a shown object: the [start, end] of each time it was in
+    view}: where its evidence should lie."""
+    return {ask_about("seen", events, o["colour"], o["shape"]).question:
+            [[e["time"], e["end"]] for e in objects_of(events)
+             if (e["colour"], e["shape"]) == (o["colour"], o["shape"])]
+            for o in identities_of(events)}
+
+
+def at_event(time: float, spans: list[list[float]]) -> bool:
+    """Whether a chunk at `time` lies within EVIDENCE_SLACK_S of one of the spans."""
+    return any(t0 - EVIDENCE_SLACK_S <= time <= t1 + EVIDENCE_SLACK_S for t0, t1 in spans)
 
 
 def search_drops(memory: StreamingMemory, question: str, answer: str,
@@ -117,12 +139,17 @@ def k_search(attended: list[float], searched: list[float], k: int) -> list[float
 def agreement(records: list[dict], k: int) -> dict[str, Any]:
     """For k candidates: top-1 hits, top-3 overlap (mean share) and same top-3 sets; on the
     questions with a material drop, top-1 hits and the share of the full search's best drop
-    that the k-search's best reaches."""
+    that the k-search's best reaches; on "did you see" questions about a shown object, how often
+    the k-search's strongest evidence lies at the object (within EVIDENCE_SLACK_S of a time it
+    was in view)."""
     top1 = overlap = same = 0
-    material = [0, 0]
+    material, event = [0, 0], [0, 0]
     captured = 0.0
     for r in records:
         mine = k_search(r["attended"], r["searched"], k)
+        if r["shown"]:
+            event[0] += at_event(mine[0], r["shown"])
+            event[1] += 1
         hit = mine[0] == r["searched"][0]
         top1 += hit
         shared = len(set(mine[:3]) & set(r["searched"][:3]))
@@ -136,7 +163,8 @@ def agreement(records: list[dict], k: int) -> dict[str, Any]:
     n = len(records)
     return {"k": k, "n": n, "top1": [top1, n], "top3_overlap": overlap / n if n else 0.0,
             "top3_same": [same, n], "material_top1": material,
-            "material_captured": captured / material[1] if material[1] else 0.0}
+            "material_captured": captured / material[1] if material[1] else 0.0,
+            "at_event": event}
 
 
 def usable(records: list[dict]) -> list[dict]:
@@ -171,12 +199,14 @@ def report(records: list[dict], ks: list[int], full: int) -> tuple[str, dict[str
     body = (f"{len(kept)} questions with evidence of {len(records)} asked ({streams} streams); "
             f"agreement with the {full}-candidate search, % (95 % Wilson interval):\n\n")
     headers = ["k candidates", *(f"top-1, {g}" for g in tables), "top-3 overlap, all",
-               "same top-3 set, all", "top-1, material drop", "best drop reached"]
+               "same top-3 set, all", "top-1, material drop", "best drop reached",
+               "evidence at the object"]
     rows = [[k, *(_share(tables[g][i]["top1"]) for g in tables),
              f"{100 * tables['all'][i]['top3_overlap']:.1f}",
              _share(tables["all"][i]["top3_same"]),
              _share(tables["all"][i]["material_top1"]),
-             f"{100 * tables['all'][i]['material_captured']:.1f}"] for i, k in enumerate(ks)]
+             f"{100 * tables['all'][i]['material_captured']:.1f}",
+             _share(tables["all"][i]["at_event"])] for i, k in enumerate(ks)]
     body += md_table(headers, rows)
     material = tables["all"][0]["material_top1"][1] if kept else 0
     body += (f"\nMaterial drop: the full search's best drop is at least {MATERIAL_DROP} nats "
@@ -205,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     results, records, _ = run_answers("evidence_candidates", args, argv, evaluate)
-    body, summary = report(records, sorted(args.ks), args.full)
+    body, summary = report(records, sorted({*args.ks, args.full}), args.full)
     results |= summary
     title = "Evidence candidates: the attention's first k against the full leave-one-out search"
     return finish(args.out, results, title, body)
