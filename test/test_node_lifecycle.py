@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import rclpy
 from deltas_ros.action import AskMemory as AskAction
+from lifecycle_msgs.msg import Transition
+from lifecycle_msgs.srv import ChangeState
 from rclpy.context import Context
-from rclpy.lifecycle import LifecycleNode
+from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from ros_helpers import BASE_STAMP, Tester, indices, send_goal, start, status_values, stop
 
 from deltas_ros.core.maker import make_model, tiny_config
-from deltas_ros.ros.adapters import lifecycle_state
+from deltas_ros.ros.adapters import RefusedTransitions, lifecycle_state
 
 BIG_VOCAB = 300_000  # embedding + lm_head: 38 M parameters (154 MB) and almost no compute
 MODEL_BYTES = 2 * BIG_VOCAB * tiny_config().text_config.hidden_size * 4
@@ -48,6 +50,28 @@ def test_the_lifecycle_state_is_rclpys_own(ros_env):
         assert lifecycle_state(node) == "inactive"
         node.trigger_activate()
         assert lifecycle_state(node) == "active"
+        node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)
+
+
+def test_a_transition_the_state_does_not_allow_fails_with_error(ros_env):
+    """Kilted's rclpy returns ERROR for it, Jazzy's raised RCLError: RefusedTransitions makes
+    both return ERROR, through the private name it overrides (this fails naming it)."""
+    from rclpy.lifecycle.node import LifecycleNodeMixin
+
+    assert callable(LifecycleNodeMixin._LifecycleNodeMixin__change_state)
+
+    class Probe(RefusedTransitions, LifecycleNode):
+        pass
+
+    context = Context()
+    rclpy.init(context=context)
+    try:
+        node = Probe("refusal_probe", context=context)
+        assert node.trigger_activate() == TransitionCallbackReturn.ERROR
+        assert lifecycle_state(node) == "unconfigured"
+        assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
         node.destroy_node()
     finally:
         rclpy.try_shutdown(context=context)
@@ -132,6 +156,11 @@ def test_autostart_false_and_a_refused_configure_stay_up(tmp_path, ros_env):
         assert not tester.transition("configure")
         assert tester.lifecycle_state() == "unconfigured" and process.poll() is None
         assert not send_goal(tester.action, goal).accepted
+        # A manager that names transitions by id (nav2's does) and asks for one the state does
+        # not allow is refused, and the node stays up (adapters.RefusedTransitions).
+        activate = ChangeState.Request(transition=Transition(id=Transition.TRANSITION_ACTIVATE))
+        assert not tester.call(tester.change_state_client, activate).success
+        assert tester.lifecycle_state() == "unconfigured" and process.poll() is None
     finally:
         tester.close()
         code, err = stop(process)

@@ -23,6 +23,8 @@ try:
 except ImportError:  # Humble's rclpy names the module qos_event
     from rclpy.qos_event import SubscriptionEventCallbacks
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.impl.implementation_singleton import rclpy_implementation
+from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.node import Node
 from rclpy.qos import (
     DurabilityPolicy,
@@ -153,6 +155,23 @@ def lifecycle_state(node: Node) -> str:
     the state, and its transitions change it, with the GIL held (src/rclpy/lifecycle.cpp
     releases it in neither); it stays readable after destroy_node."""
     return node._state_machine.current_state[1]
+
+
+class RefusedTransitions:
+    """Mixed in before rclpy's LifecycleNodeMixin: a transition the state machine does not allow
+    in the current state (a ChangeState by id, as nav2's manager sends; autostart's configure
+    after a manager's) fails with ERROR and a log line. Kilted's rclpy does that itself;
+    Jazzy's (7.x) raises RCLError instead, out of the ChangeState service callback, which took
+    the node's executor down. Overrides the mixin's private __change_state by its mangled name
+    (test_node_lifecycle pins it)."""
+
+    def _LifecycleNodeMixin__change_state(self, transition_id: int) -> TransitionCallbackReturn:
+        try:
+            return super()._LifecycleNodeMixin__change_state(transition_id)
+        except rclpy_implementation.RCLError as error:
+            self.get_logger().error(f"lifecycle transition {transition_id} refused in state "
+                                    f"{lifecycle_state(self)}: {error}")
+            return TransitionCallbackReturn.ERROR
 
 
 def log_frame_outcome(logger, outcome: GateOutcome, dropped: int, max_gap_s: float) -> None:

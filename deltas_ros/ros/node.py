@@ -42,6 +42,7 @@ from ..runtime.session import NOT_CONFIGURED, NOT_READY, Session
 from .action import ACTION_SLOTS, AskActionServer
 from .adapters import (
     CameraSubscription,
+    RefusedTransitions,
     declare_parameters,
     deserialize_frame,
     diagnostics_message,
@@ -62,7 +63,7 @@ __all__ = ["EXECUTOR_THREADS", "FINALIZED", "NOT_READY", "QUESTION_SLOTS", "SHUT
 EXECUTOR_THREADS = QUESTION_SLOTS + ACTION_SLOTS + 6
 
 
-class MemoryNode(MemoryLifecycle, LifecycleNodeMixin, Node):
+class MemoryNode(MemoryLifecycle, RefusedTransitions, LifecycleNodeMixin, Node):
     """The DeltaS memory as a managed ROS 2 node (see the module docstring). rclpy's
     LifecycleNode, but with the transitions in their own callback group: a configure that loads
     a model for minutes must not hold up the parameter services."""
