@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,40 @@ def resolve_pixel_budget(pixel_budget: int | None, model_path: str | Path | None
     return DEFAULT_PIXEL_BUDGET
 
 
+class ModelPathError(ValueError):
+    """A file of a model directory, or a weight file its index names, that resolves outside
+    the directory; the message names the path."""
+
+
+def check_model_files(path: str | Path) -> None:
+    """Refuse a model directory that would make from_pretrained read outside it.
+
+    from_pretrained(local_path) opens what a shard index (`*.index.json`) names, joined to the
+    directory, so `../outside/x.safetensors` or an absolute path loads weights from elsewhere;
+    and it follows symlinks. So every entry under `path` and every file an index names must
+    resolve inside `path` (a symlink only to a target within it); checked before anything is
+    read. A Hugging Face cache snapshot (symlinks into `../../blobs`) is refused: download
+    with `--local-dir` instead. The package's own model is exempt: a symlink install
+    (`colcon build --symlink-install`, scripts/setup.sh) links its files into the source tree."""
+    root = Path(path).resolve()
+    if root == SHIPPED_MODEL.resolve():
+        return
+
+    def inside(file: Path) -> None:
+        target = file.resolve()
+        if not target.is_relative_to(root):
+            raise ModelPathError(f"{file} resolves to {target}, outside the model directory "
+                                 f"{root}: refused")
+
+    for folder, dirs, files in os.walk(root):  # symlinked folders: checked, not entered
+        for name in dirs + files:
+            inside(Path(folder) / name)
+    for index in root.glob("*.index.json"):
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        for name in sorted({str(name) for name in weight_map.values()}):
+            inside(root / name)
+
+
 @dataclass
 class LoadedModel:
     """A model ready for streaming, with the tokenizer that belongs to it."""
@@ -94,7 +129,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_model(
     path: str | Path, device: str = "auto", dtype: str = "auto"
 ) -> LoadedModel:
-    """Load model and tokenizer from a local directory; never from a hub.
+    """Load model and tokenizer from a local directory; never from a hub, nor from outside
+    the directory (`check_model_files`).
 
     device: "auto" (CUDA when available), "cpu", "cuda", "cuda:N".
     dtype: "auto" (bf16 on CUDA, float32 on CPU), "float32", "bfloat16", "float16".
@@ -102,6 +138,7 @@ def load_model(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no model at {path}: config.json is missing")
+    check_model_files(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     # The kernel hub's "falling back to the reference implementation" notices and the weight

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..core.frames import FrameGate, FrameSampler, GateOutcome, SampledChunk, TimeEvent
-from ..core.loader import load_model
+from ..core.loader import check_model_files, load_model
 from ..core.memory import Answer, ChunkResult, MemoryStats, StreamingMemory, question_problem
 from ..core.persistence import load_memory, save_memory
 from ..core.plan import require_fit
@@ -116,13 +116,14 @@ class Session:
     @classmethod
     def configure(cls, values: dict[str, Any] | Parameters) -> Session:
         """The session for the node's parameter `values` (lifecycle configure); ValueError or
-        OSError with a reason a user can act on: a bad value, no model, an unusable memory_dir
-        or key file."""
+        OSError with a reason a user can act on: a bad value, no model or one with files outside
+        its directory, an unusable memory_dir or key file."""
         p = values.values if isinstance(values, Parameters) else values
         if problem := validate(p):
             raise ValueError(problem)
         if not (Path(p["model_path"]) / "config.json").is_file():
             raise FileNotFoundError(f"no model at {p['model_path']}: config.json is missing")
+        check_model_files(p["model_path"])  # before the memory plan reads config.json
         return cls(values, MemoryFiles(p["memory_dir"], p["memory_file"]),
                    read_key(p["memory_key_file"]))
 
