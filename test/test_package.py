@@ -1,6 +1,7 @@
 """The package itself: manifest, CMake, setup.py and the generated interfaces agree and work."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -250,3 +251,43 @@ def test_colcon_test_registers_the_pytest_suite(tmp_path):
     assert "OMP_NUM_THREADS=1" in command[command.index("--env"):command.index("--command")]
     properties = {p["name"]: p["value"] for p in suite["properties"]}
     assert Path(properties["WORKING_DIRECTORY"]) == REPO
+
+
+def test_colcon_builds_the_package_in_a_workspace_and_it_runs_from_the_install_space(tmp_path):
+    """What a robot does: `colcon build` of this package in a workspace over the ROS prefix (here
+    the wheels of the venv under test, Kilted's or Jazzy's, with setup.sh's wheel fix), then
+    `source install/setup.bash`: the interfaces and the command come from the install space."""
+    venv = Path(sys.prefix)
+    if not (venv / "bin" / "colcon").exists():
+        pytest.skip("colcon is not in this venv (requirements-jazzy.txt installs it)")
+    package = tmp_path / "ws" / "src" / "deltas_ros"
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_bytes((REPO / name).read_bytes())
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+           "CMAKE_PREFIX_PATH": str(venv), "AMENT_PREFIX_PATH": str(venv)}
+    build = subprocess.run(
+        ["colcon", "build", "--packages-select", "deltas_ros", "--event-handlers",
+         "console_cohesion-", "--cmake-args", "-G", "Ninja", "-DBUILD_TESTING=OFF",
+         f"-DPython3_EXECUTABLE={venv / 'bin' / 'python'}",
+         f"-DCMAKE_PROJECT_INCLUDE={REPO / 'cmake' / 'pypi_wheels_fix.cmake'}"],
+        cwd=package.parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    install = package.parents[1] / "install"
+    check = ("from deltas_ros.msg import DriftScore\n"
+             "from rclpy.serialization import deserialize_message, serialize_message\n"
+             "message = DriftScore(chunk_index=3, drift=0.5)\n"
+             "assert deserialize_message(serialize_message(message), DriftScore) == message\n"
+             "print(DriftScore.__module__, __import__('deltas_ros.msg').msg.__file__)")
+    script = (f"source {shlex.quote(str(install / 'setup.bash'))}"
+              f" && cd {shlex.quote(str(tmp_path))} && python -c {shlex.quote(check)}"
+              " && command -v deltas-ros && deltas-ros --help")
+    ran = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    (module, path), command = ran.stdout.splitlines()[0].split(), ran.stdout.splitlines()[1]
+    assert module.startswith("deltas_ros.msg") and path.startswith(str(install)), ran.stdout
+    assert command.startswith(str(install)), ran.stdout
+    assert "usage: deltas-ros" in ran.stdout
