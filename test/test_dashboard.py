@@ -11,44 +11,48 @@ from __future__ import annotations
 import ast
 import json
 import os
-import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from dashboard_helpers import SlowMemory, chromium
+from engine_helpers import wait_until
 from ros_helpers import SMALL, Tester, node_command, start, stop
 
-from deltas_ros.ros.dashboard_http import DashboardState, check_bind, make_server
+from deltas_ros.ros.dashboard_access import check_bind
+from deltas_ros.ros.dashboard_http import DashboardHttp
+from deltas_ros.ros.dashboard_limits import Limits
+from deltas_ros.ros.dashboard_state import DashboardState
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def fake_ask(question: str, since: float, until: float, on_feedback) -> dict:
+def fake_ask(question, on_feedback, left) -> dict:
     on_feedback({"answer": "a red", "tokens": 2})
     return {"success": True, "answer": "a red cube", "evidence_times": [1.0]}
 
 
 @pytest.fixture
 def server():
-    state = DashboardState(chunks=5, max_clients=2)
+    state = DashboardState(Limits(chunks=5, max_subscribers=2))
     for i in range(3):
         state.add_chunk({"index": i, "stream_time": float(i), "drift": 0.1, "kv_tokens": 10,
                          "evicted_tokens": 4 if i == 2 else 0})
-    srv = make_server(state, "127.0.0.1", 0, token="secret", ask=fake_ask,
-                      cancel=lambda: True)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield state, f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    srv = DashboardHttp(state, "127.0.0.1", 0, token="secret", ask=fake_ask,
+                        cancel=lambda: True)
+    port = srv.start()
+    yield state, f"http://127.0.0.1:{port}"
+    srv.stop()
 
 
 def get(url: str, data: bytes | None = None, headers: dict | None = None):
-    request = urllib.request.Request(url, data=data, headers=headers or {})
+    """GET, or POST `data` as JSON (the only body the dashboard accepts)."""
+    sent = {"Content-Type": "application/json"} if data is not None else {}
+    request = urllib.request.Request(url, data=data, headers=sent | (headers or {}))
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, response.read()
@@ -67,17 +71,20 @@ def test_a_non_loopback_host_needs_a_token():
     with pytest.raises(ValueError, match="token"):
         check_bind("0.0.0.0", "")
     with pytest.raises(ValueError, match="token"):
-        make_server(DashboardState(), "192.168.1.2", 0)
+        DashboardHttp(DashboardState(), "192.168.1.2", 0)
 
 
-def test_buffers_and_clients_are_bounded():
-    state = DashboardState(chunks=4, max_clients=2)
+def test_buffers_and_subscribers_are_bounded():
+    state = DashboardState(Limits(chunks=4, max_subscribers=2))
     for i in range(10):
         state.add_chunk({"index": i, "evicted_tokens": i % 2})
     snap = state.snapshot()
     assert [c["index"] for c in snap["chunks"]] == [6, 7, 8, 9]
     assert all(c["evicted_tokens"] > 0 for c in snap["evictions"])
-    assert state.subscribe() and state.subscribe() and state.subscribe() is None
+    first, second = state.subscribe(), state.subscribe()
+    third = state.subscribe()  # the oldest gives way: a new page always gets its view
+    assert state.subscribers == [second, third]
+    assert first.queue.get_nowait() is None  # its stream ends
 
 
 def test_http_state_token_and_body_limit(server):
@@ -89,11 +96,13 @@ def test_http_state_token_and_body_limit(server):
     assert get(f"{url}/", headers={"X-Token": "secret"})[1].startswith(b"<!doctype html>")
     assert get(f"{url}/memory.jpg?token=secret")[0] == 404
     assert get(f"{url}/ask?token=secret", data=b"x" * 5000)[0] == 413
+    assert get(f"{url}/ask?token=secret", data=b"{}", headers={"Content-Type": "text/plain"}
+               )[0] == 415
     code, body = get(f"{url}/ask?token=secret", data=json.dumps({"question": "what?"}).encode())
     assert code == 200
     assert b"event: feedback" in body and b'"a red cube"' in body
-    assert json.loads(get(f"{url}/cancel?token=secret", data=b"")[1]) == {"cancelled": True}
-    assert get(f"{url}/reset?token=secret", data=b"")[0] == 404  # read-only
+    assert json.loads(get(f"{url}/cancel?token=secret", data=b"{}")[1]) == {"cancelled": True}
+    assert get(f"{url}/reset?token=secret", data=b"{}")[0] == 404  # read-only
 
 
 def wait_state(url: str, predicate, timeout: float = 120.0) -> dict:
@@ -181,21 +190,11 @@ last.reply.then((reply) => done({body: last.body, reply}));
 @pytest.mark.ros
 @pytest.mark.slow
 def test_the_page_in_headless_chromium(live):
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver):
-        pytest.skip("chromium and chromium-driver are not installed (scripts/setup.sh)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
+    browser = chromium()
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1000"):
-        options.add_argument(arg)
-    browser = webdriver.Chrome(options=options, service=Service(driver))
 
     def value(input_id: str) -> float:
         return float(browser.find_element(By.ID, input_id).get_attribute("value"))
@@ -232,6 +231,48 @@ def test_the_page_in_headless_chromium(live):
         assert not browser.find_elements(By.CSS_SELECTOR, "#timeline rect.window")
     finally:
         browser.quit()
+
+
+@pytest.mark.ros
+@pytest.mark.slow
+def test_a_page_closed_mid_answer_leaves_the_dashboard_serving(ros_env):
+    """A tab closed while its answer streams ends only its own request, and its goal is
+    cancelled (nobody waits for that answer any more); the dashboard process lives on, serves
+    and answers the next question."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = chromium()
+    memory = SlowMemory()
+    env = dict(ros_env, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    dash = subprocess.Popen(
+        [sys.executable, "-m", "deltas_ros.tools.cli", "dashboard", "--port", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    quick = json.dumps({"question": "quick"}).encode()
+    try:
+        url = dash.stdout.readline().split()[-1].rstrip("/")
+        # Until the dashboard has discovered the action (each try waits up to 5 s for it).
+        assert wait_until(lambda: sse_result(get(f"{url}/ask", data=quick)[1].decode())
+                          ["success"], 120)
+        browser.get(f"{url}/")
+        browser.find_element(By.ID, "question").send_keys("What did you see?")
+        browser.find_element(By.ID, "ask").click()
+        WebDriverWait(browser, 60).until(
+            lambda b: "red red" in b.find_element(By.ID, "answer").text)
+        browser.quit()  # mid-answer: the goal streams for a minute more
+        browser = None
+        assert wait_until(memory.cancelled.is_set, 60)
+        assert dash.poll() is None
+        assert get(f"{url}/state")[0] == 200
+        assert sse_result(get(f"{url}/ask", data=quick)[1].decode())["success"]
+        assert dash.poll() is None
+    finally:
+        if browser is not None:
+            browser.quit()
+        dash.terminate()
+        _, err = dash.communicate(timeout=30)
+        memory.close()
+    assert "Traceback" not in err, err
 
 
 def substitute(node: ast.expr, arguments: dict[str, str]) -> str:

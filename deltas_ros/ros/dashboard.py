@@ -3,12 +3,14 @@
 It only listens to what the memory node already publishes (~/drift, ~/memory_image,
 ~/memory_chunks, /diagnostics) and sends goals to its ~/ask action, so it adds no cost to the
 memory node, which never imports it. Read-only: no reset, save or load. The HTTP side is
-dashboard_http.py.
+dashboard_http.py (aiohttp on its own thread; this file's callbacks only hand data over).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import rclpy
@@ -21,9 +23,13 @@ from sensor_msgs.msg import Image
 
 from ..action import AskMemory
 from ..msg import DriftScore, MemoryChunks
-from .dashboard_http import DashboardState, check_bind, make_server
+from .dashboard_access import check_bind, read_token
+from .dashboard_body import Question
+from .dashboard_http import DashboardHttp
+from .dashboard_state import DashboardState
 
 ASK_TIMEOUT_S = 120.0
+POLL_S = 0.25  # how soon a question notices that its browser left
 
 
 def seconds(stamp: Any) -> float:
@@ -85,7 +91,7 @@ class DashboardNode(Node):
         self.memory_node = "/" + memory_node.strip("/")
         self.state = state or DashboardState()
         self.goal_lock = threading.Lock()
-        self.goal: Any = None
+        self.goals: list[Any] = []  # goal handles in flight (unhashable)
         self.create_subscription(DriftScore, f"{self.memory_node}/drift",
                                  lambda m: self.state.add_chunk(chunk_dict(m)), 50)
         self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
@@ -106,8 +112,12 @@ class DashboardNode(Node):
                                        "message": status.message,
                                        "values": {kv.key: kv.value for kv in status.values}})
 
-    def ask(self, question: str, since: float, until: float, on_feedback) -> dict:
-        """Send one goal and block until its result; feedback goes to on_feedback as it comes."""
+    def ask(self, question: Question, on_feedback: Callable[[dict], None],
+            left: threading.Event) -> dict:
+        """Send one goal and wait for its result, feedback to on_feedback as it comes. When
+        `left` is set (the browser went away) the goal is cancelled: nobody waits for its
+        answer, and the memory node's worker would spend model time on it before the next
+        chunks."""
         if not self.ask_client.wait_for_server(timeout_sec=5.0):
             return {"success": False, "message": "the ask action is not available"}
         done = threading.Event()
@@ -122,50 +132,64 @@ class DashboardNode(Node):
                 box["result"] = {"success": False, "message": "goal rejected"}
                 done.set()
                 return
+            box["handle"] = handle
             with self.goal_lock:
-                self.goal = handle
+                self.goals.append(handle)
             handle.get_result_async().add_done_callback(
                 lambda f: (box.setdefault("result", result_dict(f.result().result)),
                            done.set()))
 
-        goal = AskMemory.Goal(question=question, since=since, until=until)
+        goal = AskMemory.Goal(question=question.text, since=question.since,
+                              until=question.until)
         self.ask_client.send_goal_async(goal, feedback_callback=feedback) \
             .add_done_callback(accepted)
-        finished = done.wait(ASK_TIMEOUT_S)
-        if not finished:
-            self.cancel()
+        deadline = time.monotonic() + ASK_TIMEOUT_S
+        while not done.wait(POLL_S):
+            if left.is_set() or time.monotonic() > deadline:
+                break
+        handle = box.get("handle")
         with self.goal_lock:
-            self.goal = None
-        return box["result"] if finished else {
-            "success": False, "message": f"no result within {ASK_TIMEOUT_S:.0f} s"}
+            if handle in self.goals:
+                self.goals.remove(handle)
+        if done.is_set():
+            return box["result"]
+        if handle is not None:
+            handle.cancel_goal_async()
+        return {"success": False, "message": "the client left" if left.is_set()
+                else f"no result within {ASK_TIMEOUT_S:.0f} s"}
 
     def cancel(self) -> bool:
-        """Cancel the goal in flight, if any."""
+        """Cancel every goal this dashboard has in flight (the page's Cancel button)."""
         with self.goal_lock:
-            goal = self.goal
-        if goal is None:
-            return False
-        goal.cancel_goal_async()
-        return True
+            goals = list(self.goals)
+        for goal in goals:
+            goal.cancel_goal_async()
+        return bool(goals)
 
 
-def serve(memory_node: str, host: str, port: int, token: str = "") -> int:
-    """Run the dashboard node and its HTTP server until Ctrl-C."""
+def serve(memory_node: str, host: str, port: int, token: str = "", token_file: str = "",
+          allow_hosts: tuple[str, ...] = ()) -> int:
+    """Run the dashboard node (rclpy's executor on this thread) and its HTTP server (aiohttp's
+    loop on its own) until Ctrl-C."""
+    token = read_token(token, token_file)
     check_bind(host, token)
     rclpy.init()
     node = DashboardNode(memory_node)
-    server = make_server(node.state, host, port, token, node.ask, node.cancel)
+    server = DashboardHttp(node.state, host, port, token, node.ask, node.cancel, allow_hosts)
     executor = MultiThreadedExecutor(num_threads=4)
     executor.add_node(node)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://{host}:{server.server_address[1]}/"
-    print(f"dashboard: {url}" + ("?token=..." if token else ""), flush=True)
+    bound = server.start()
+    shown = f"[{host}]" if ":" in host else host
+    print(f"dashboard: http://{shown}:{bound}/" + ("?token=..." if token else ""), flush=True)
     try:
-        executor.spin()
+        # Not spin(): after a goal had completed, SIGTERM did not wake its unbounded wait
+        # (rclpy 9, seen in test_dashboard.py); a bounded wait sees the context shut down.
+        while rclpy.ok():
+            executor.spin_once(timeout_sec=0.5)
     except KeyboardInterrupt:
         pass
     finally:
-        server.shutdown()
+        server.stop()
         executor.shutdown()
         node.destroy_node()
         if rclpy.ok():

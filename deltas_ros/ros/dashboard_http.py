@@ -1,230 +1,204 @@
-"""The dashboard's HTTP side: bounded state and a stdlib server (no rclpy here, so it is tested
-without ROS). Stdlib only: robots are often offline and the memory node never imports this."""
+"""The dashboard's HTTP side (no rclpy here, so it is tested without ROS): aiohttp on its own
+event loop in its own thread, serving the page, the state, its Server-Sent Events and questions.
+
+Every request passes dashboard_access's rules first; every bound is in dashboard_limits. A
+question runs in a small thread pool (the node's ask blocks until its result); its feedback comes
+back through loop.call_soon_threadsafe, coalesced to the latest (each feedback holds the whole
+answer so far), so neither a slow browser nor a closed one reaches rclpy's executor.
+"""
 
 from __future__ import annotations
 
-import ipaddress
-import json
-import queue
+import asyncio
 import threading
-from collections import deque
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlparse
 
-MAX_BODY = 4096
-MAX_CLIENTS = 8
-CHUNKS = 600
-EVICTIONS = 200
-SOCKET_TIMEOUT_S = 30.0
+from aiohttp import web
+
+from .dashboard_access import Access, Refused
+from .dashboard_body import Question, parse_question, read_json
+from .dashboard_server import BoundedServer
+from .dashboard_state import DashboardState, Subscriber, sse
+
 PAGE = Path(__file__).with_name("dashboard.html")
+STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-store"}
 
-# ask(question, since, until, on_feedback) -> result dict; cancel() -> bool.
-AskFn = Callable[[str, float, float, Callable[[dict], None]], dict]
-
-
-def is_loopback(host: str) -> bool:
-    """True for a host only this machine can reach (the safe default)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+# ask(question, on_feedback, left) -> result dict: blocks until the goal ends; when `left` is
+# set (the client went away) it cancels its goal and returns. cancel() -> bool.
+AskFn = Callable[[Question, Callable[[dict], None], threading.Event], dict]
 
 
-def check_bind(host: str, token: str) -> None:
-    """Refuse to serve the memory beyond this machine without a token."""
-    if not is_loopback(host) and not token:
-        raise ValueError(f"host {host} is not loopback: give --token to serve it")
+def refusal(status: int, reason: str) -> web.Response:
+    return web.json_response({"error": reason}, status=status,
+                             headers={"Cache-Control": "no-store"})
 
 
-class DashboardState:
-    """Bounded snapshot of what the memory node published, plus the SSE subscribers."""
+class DashboardHttp:
+    """The dashboard's server: start() runs it on a thread of its own, stop() ends it."""
 
-    def __init__(self, chunks: int = CHUNKS, max_clients: int = MAX_CLIENTS) -> None:
-        self.lock = threading.Lock()
-        self.chunks: deque[dict] = deque(maxlen=chunks)
-        self.evictions: deque[dict] = deque(maxlen=EVICTIONS)
-        self.health: dict[str, Any] = {}
-        self.image: bytes = b""
-        self.held: dict[str, list] = {}  # the node's latest ~/memory_chunks, as arrays
-        self.max_clients = max_clients
-        self.clients: list[queue.Queue] = []
+    def __init__(self, state: DashboardState, host: str, port: int, token: str = "",
+                 ask: AskFn | None = None, cancel: Callable[[], bool] | None = None,
+                 allow_hosts: tuple[str, ...] = ()) -> None:
+        self.access = Access(host, token, allow_hosts)
+        self.state, self.limits = state, state.limits
+        self.host, self.port = host, port
+        self.ask_fn, self.cancel_fn = ask, cancel
+        self.asks = 0  # questions whose thread is still busy (touched on the loop only)
+        self.pool = ThreadPoolExecutor(self.limits.max_asks, thread_name_prefix="dashboard-ask")
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.failure: BaseException | None = None
+        self.runner: web.ServerRunner | None = None
+        self.thread = threading.Thread(target=self._run, name="dashboard-http", daemon=True)
+        self.routes = {("GET", "/"): self.page, ("GET", "/state"): self.snapshot,
+                       ("GET", "/memory.jpg"): self.image, ("GET", "/events"): self.events,
+                       ("POST", "/ask"): self.ask, ("POST", "/cancel"): self.cancel}
 
-    def add_chunk(self, chunk: dict) -> None:
-        with self.lock:
-            self.chunks.append(chunk)
-            if chunk.get("evicted_tokens", 0) > 0:
-                self.evictions.append(chunk)
-        self.push("chunk", chunk)
+    def start(self) -> int:
+        """Serve; the bound port once listening (port 0: an ephemeral one)."""
+        self.thread.start()
+        self.ready.wait()
+        if self.failure is not None:
+            raise self.failure
+        return self.port
 
-    def set_health(self, health: dict) -> None:
-        with self.lock:
-            self.health = health
-        self.push("health", health)
+    def stop(self) -> None:
+        if self.runner is not None and self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def set_image(self, jpeg: bytes) -> None:
-        with self.lock:
-            self.image = jpeg
-        self.push("image", {"bytes": len(jpeg)})
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._listen())
+        except BaseException as error:  # noqa: BLE001 - handed to start()'s caller
+            self.failure = error
+            self.ready.set()
+            return
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.close()
 
-    def set_held(self, held: dict[str, list]) -> None:
-        """What the memory holds now (one entry per chunk: bounded by the node's budget)."""
-        with self.lock:
-            self.held = held
-        self.push("held", held)
+    async def _listen(self) -> None:
+        server = BoundedServer(self.handle, self.limits, lingering_time=0, max_line_size=4096,
+                               max_field_size=4096, max_headers=32, access_log=None)
+        self.runner = web.ServerRunner(server, shutdown_timeout=2.0)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        self.state.loop = self.loop
 
-    def snapshot(self) -> dict:
-        with self.lock:
-            return {"chunks": list(self.chunks), "evictions": list(self.evictions),
-                    "health": dict(self.health), "image": bool(self.image),
-                    "held": dict(self.held)}
+    async def _close(self) -> None:
+        """End the streams (they would hold the shutdown), then the server."""
+        self.state.loop = None
+        for subscriber in self.state.subscribers:
+            subscriber.end()
+        await self.runner.cleanup()
 
-    def subscribe(self) -> queue.Queue | None:
-        """A queue of events, or None when MAX_CLIENTS already listen (bounded cost)."""
-        with self.lock:
-            if len(self.clients) >= self.max_clients:
-                return None
-            q: queue.Queue = queue.Queue(maxsize=256)
-            self.clients.append(q)
-            return q
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Every request: the access rules, then its route; a refusal is JSON with a reason."""
+        try:
+            self.access.check(request)
+            route = self.routes.get((request.method, request.path))
+            if route is None:
+                known = any(path == request.path for _, path in self.routes)
+                raise Refused(405 if known else 404,
+                              "method not allowed" if known else "not found")
+            return await route(request)
+        except Refused as refused:
+            return refusal(refused.status, refused.reason)
 
-    def unsubscribe(self, q: queue.Queue) -> None:
-        with self.lock:
-            if q in self.clients:
-                self.clients.remove(q)
+    async def page(self, request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(body=PAGE.read_bytes(), content_type="text/html", charset="utf-8",
+                            headers={"Cache-Control": "no-store"})
 
-    def push(self, kind: str, data: dict) -> None:
-        with self.lock:
-            clients = list(self.clients)
-        for q in clients:
+    async def snapshot(self, request: web.BaseRequest) -> web.StreamResponse:
+        return web.json_response(self.state.snapshot(), headers={"Cache-Control": "no-store"})
+
+    async def image(self, request: web.BaseRequest) -> web.StreamResponse:
+        with self.state.lock:
+            image = self.state.image
+        if not image:
+            raise Refused(404, "no memory image yet")
+        return web.Response(body=image, content_type="image/jpeg",
+                            headers={"Cache-Control": "no-store"})
+
+    async def _stream(self, request: web.BaseRequest) -> web.StreamResponse:
+        """An event stream's response, sent; its connection closes when the stream ends."""
+        response = web.StreamResponse(headers=STREAM_HEADERS)
+        response.force_close()
+        await response.prepare(request)
+        return response
+
+    async def _send(self, response: web.StreamResponse, data: bytes) -> None:
+        """One write; a client that takes longer than the write timeout is dropped."""
+        async with asyncio.timeout(self.limits.write_timeout_s):
+            await response.write(data)
+
+    async def events(self, request: web.BaseRequest) -> web.StreamResponse:
+        subscriber = self.state.subscribe()
+        response = web.StreamResponse()
+        try:
+            response = await self._stream(request)
+            await self._send(response, sse("state", self.state.snapshot()))
+            while (event := await self._next(subscriber)) is not None:
+                await self._send(response, event)
+        except (ConnectionError, TimeoutError):
+            pass  # the client left or stalled: only its own stream ends
+        finally:
+            self.state.unsubscribe(subscriber)
+        return response
+
+    async def _next(self, subscriber: Subscriber) -> bytes | None:
+        """The next event, a comment after ping_s of silence, None when the stream must end."""
+        try:
+            async with asyncio.timeout(self.limits.ping_s):
+                return await subscriber.queue.get()
+        except TimeoutError:
+            return b": keepalive\n\n"
+
+    async def ask(self, request: web.BaseRequest) -> web.StreamResponse:
+        question = parse_question(await read_json(request, self.limits))
+        if self.ask_fn is None:
+            raise Refused(503, "no ask action")
+        if self.asks >= self.limits.max_asks:
+            raise Refused(429, f"{self.limits.max_asks} questions are already in flight")
+        latest: list[dict] = []
+        changed = asyncio.Event()
+
+        def feedback(data: dict) -> None:  # on an rclpy thread: hand over, never raise
             try:
-                q.put_nowait((kind, data))
-            except queue.Full:  # a stalled browser loses events, never blocks the node
+                self.loop.call_soon_threadsafe(
+                    lambda: (latest.clear(), latest.append(data), changed.set()))
+            except RuntimeError:  # the loop closed: the dashboard is stopping
                 pass
 
+        left = threading.Event()
+        self.asks += 1
+        future = self.loop.run_in_executor(self.pool, self.ask_fn, question, feedback, left)
+        future.add_done_callback(lambda _: (setattr(self, "asks", self.asks - 1),
+                                            changed.set()))
+        response = web.StreamResponse()
+        try:
+            response = await self._stream(request)
+            while not future.done():
+                await changed.wait()
+                changed.clear()
+                if latest:
+                    await self._send(response, sse("feedback", latest[-1]))
+                    latest.clear()
+            await self._send(response, sse("result", future.result()))
+        except (ConnectionError, TimeoutError):
+            pass  # the client left or stalled: only its own request ends
+        finally:
+            left.set()  # before the result, this cancels the client's own goal
+        return response
 
-def sse(kind: str, data: Any) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
-
-
-def make_handler(state: DashboardState, token: str, ask: AskFn | None,
-                 cancel: Callable[[], bool] | None) -> type[BaseHTTPRequestHandler]:
-    """The request handler class bound to this state, token and ask/cancel calls."""
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = SOCKET_TIMEOUT_S
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib's name
-            pass
-
-        def _authorized(self) -> bool:
-            if not token:
-                return True
-            query = parse_qs(urlparse(self.path).query)
-            given = self.headers.get("X-Token") or query.get("token", [""])[0]
-            return given == token
-
-        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _json(self, code: int, data: Any) -> None:
-            self._send(code, json.dumps(data).encode())
-
-        def _start_stream(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
-
-        def do_GET(self) -> None:  # noqa: N802 - stdlib's name
-            if not self._authorized():
-                return self._json(401, {"error": "token required"})
-            path = urlparse(self.path).path
-            if path == "/":
-                return self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
-            if path == "/state":
-                return self._json(200, state.snapshot())
-            if path == "/memory.jpg":
-                with state.lock:
-                    image = state.image
-                if not image:
-                    return self._json(404, {"error": "no memory image yet"})
-                return self._send(200, image, "image/jpeg")
-            if path == "/events":
-                return self._events()
-            self._json(404, {"error": "not found"})
-
-        def _events(self) -> None:
-            q = state.subscribe()
-            if q is None:
-                return self._json(503, {"error": "too many clients"})
-            try:
-                self._start_stream()
-                self.wfile.write(sse("state", state.snapshot()))
-                while True:
-                    try:
-                        kind, data = q.get(timeout=15)
-                        self.wfile.write(sse(kind, data))
-                    except queue.Empty:
-                        self.wfile.write(b": keepalive\n\n")
-                    self.wfile.flush()
-            except OSError:
-                pass
-            finally:
-                state.unsubscribe(q)
-
-        def do_POST(self) -> None:  # noqa: N802 - stdlib's name
-            if not self._authorized():
-                return self._json(401, {"error": "token required"})
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
-                self.close_connection = True
-                return self._json(413, {"error": f"body over {MAX_BODY} bytes"})
-            body = self.rfile.read(length) if length else b""
-            path = urlparse(self.path).path
-            if path == "/cancel":
-                return self._json(200, {"cancelled": bool(cancel and cancel())})
-            if path != "/ask":
-                return self._json(404, {"error": "not found"})
-            try:
-                request = json.loads(body or b"{}")
-                question = str(request["question"]).strip()
-                window = request.get("window") or [0.0, 0.0]
-                since, until = float(window[0]), float(window[1])
-            except (ValueError, KeyError, TypeError, IndexError):
-                return self._json(400, {"error": "expected {question, window?: [since, until]}"})
-            if not question or ask is None:
-                return self._json(400, {"error": "empty question or no ask action"})
-            self._start_stream()
-            try:
-                result = ask(question, since, until,
-                             lambda fb: (self.wfile.write(sse("feedback", fb)),
-                                         self.wfile.flush()))
-                self.wfile.write(sse("result", result))
-                self.wfile.flush()
-            except OSError:
-                pass
-
-    return Handler
-
-
-def make_server(state: DashboardState, host: str, port: int, token: str = "",
-                ask: AskFn | None = None,
-                cancel: Callable[[], bool] | None = None) -> ThreadingHTTPServer:
-    """A threading HTTP server on host:port (port 0: an ephemeral one), after the token rule."""
-    check_bind(host, token)
-    server = ThreadingHTTPServer((host, port), make_handler(state, token, ask, cancel))
-    server.daemon_threads = True
-    return server
+    async def cancel(self, request: web.BaseRequest) -> web.StreamResponse:
+        await read_json(request, self.limits)
+        return web.json_response({"cancelled": bool(self.cancel_fn and self.cancel_fn())})

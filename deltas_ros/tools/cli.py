@@ -187,10 +187,15 @@ def ask_command(args: argparse.Namespace) -> int:
 
 
 def dashboard_command(args: argparse.Namespace) -> int:
-    """Serve a live memory dashboard in the browser (read-only; 127.0.0.1 unless --token)."""
+    """Serve a live memory dashboard in the browser (read-only; 127.0.0.1 unless a token)."""
     from ..ros.dashboard import serve
 
-    return serve(args.node, args.host, args.port, args.token)
+    if args.token:
+        print("warning: --token is readable by every user of this machine (the process list, "
+              "/proc/PID/cmdline); give it with --token-file or $DELTAS_DASHBOARD_TOKEN",
+              file=sys.stderr, flush=True)
+    return serve(args.node, args.host, args.port, args.token, args.token_file,
+                 tuple(args.allow_host))
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -344,10 +349,17 @@ def build_parser() -> argparse.ArgumentParser:
     dash = commands.add_parser("dashboard", help=dashboard_command.__doc__)
     dash.add_argument("--node", default="/deltas_memory", help="the memory node's name")
     dash.add_argument("--host", default="127.0.0.1",
-                      help="address to bind; anything but loopback requires --token")
+                      help="address to bind; anything but loopback requires a token")
     dash.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free one)")
-    dash.add_argument("--token", default="",
-                      help="required on every request (?token= or an X-Token header)")
+    token = dash.add_mutually_exclusive_group()
+    token.add_argument("--token-file", default="",
+                       help="a file holding the token, then required on every request (?token= "
+                            "or an X-Token header); also $DELTAS_DASHBOARD_TOKEN")
+    token.add_argument("--token", default="",
+                       help="the token itself (visible to local users: prefer --token-file)")
+    dash.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                      help="a Host name the page may be reached by, beside the bound address "
+                           "and localhost (repeatable; e.g. the robot's DNS name)")
     dash.set_defaults(run=dashboard_command)
 
     train = commands.add_parser("train", help=train_command.__doc__)
