@@ -67,6 +67,14 @@ def post(port: int, path: str, body: bytes, *headers: str) -> tuple[int, dict]:
     return status, json.loads(reply) if status >= 400 else {"body": reply.decode()}
 
 
+def open_events(port: int, *headers: str, path: str = "/events") -> socket.socket:
+    """An event stream requested by hand; nothing of it read yet."""
+    sock = connect(port)
+    lines = [f"GET {path} HTTP/1.1", "Host: 127.0.0.1", *headers]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    return sock
+
+
 def closed(sock: socket.socket) -> bool:
     """Whether the server closed this connection (EOF or reset), without waiting; what it sent
     before is read and dropped."""
@@ -143,11 +151,15 @@ def chromium():
 class SlowMemory:
     """A memory node's ~/ask action that answers slowly, one feedback every 0.1 s for up to
     60 s, and records whether a goal was cancelled: a page can be closed mid-answer. The
-    question "quick" is answered at once."""
+    question "quick" is answered at once. Its diagnostics (twice a second, HEALTH) let a test
+    see that a page gets live events."""
+
+    HEALTH = "slow memory alive"
 
     def __init__(self, node_name: str = "deltas_memory") -> None:
         import rclpy
         from deltas_ros.action import AskMemory
+        from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
         from rclpy.action import ActionServer, CancelResponse
         from rclpy.executors import MultiThreadedExecutor
 
@@ -158,6 +170,9 @@ class SlowMemory:
         self.cancelled = threading.Event()
         self.server = ActionServer(self.node, AskMemory, "~/ask", execute_callback=self._execute,
                                    cancel_callback=lambda _goal: CancelResponse.ACCEPT)
+        publisher = self.node.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        status = DiagnosticStatus(name=f"{node_name}: memory", message=self.HEALTH)
+        self.node.create_timer(0.5, lambda: publisher.publish(DiagnosticArray(status=[status])))
         self.executor = MultiThreadedExecutor(num_threads=4, context=self.context)
         self.executor.add_node(self.node)
         self.thread = threading.Thread(target=self.executor.spin, daemon=True)

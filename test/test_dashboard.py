@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from dashboard_helpers import SlowMemory, chromium
+from dashboard_helpers import SlowMemory, chromium, open_events
 from engine_helpers import wait_until
 from ros_helpers import SMALL, Tester, node_command, start, stop
 
@@ -238,7 +238,8 @@ def test_the_page_in_headless_chromium(live):
 def test_a_page_closed_mid_answer_leaves_the_dashboard_serving(ros_env):
     """A tab closed while its answer streams ends only its own request, and its goal is
     cancelled (nobody waits for that answer any more); the dashboard process lives on, serves
-    and answers the next question."""
+    and answers the next question. The page is opened beside more idle /events streams than
+    the cap, and still gets its live view (the node's health)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -249,12 +250,17 @@ def test_a_page_closed_mid_answer_leaves_the_dashboard_serving(ros_env):
         [sys.executable, "-m", "deltas_ros.tools.cli", "dashboard", "--port", "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     quick = json.dumps({"question": "quick"}).encode()
+    flood: list = []
     try:
         url = dash.stdout.readline().split()[-1].rstrip("/")
         # Until the dashboard has discovered the action (each try waits up to 5 s for it).
         assert wait_until(lambda: sse_result(get(f"{url}/ask", data=quick)[1].decode())
                           ["success"], 120)
+        port = int(url.rsplit(":", 1)[1])
+        flood = [open_events(port) for _ in range(Limits().max_subscribers + 4)]
         browser.get(f"{url}/")
+        WebDriverWait(browser, 60).until(
+            lambda b: SlowMemory.HEALTH in b.find_element(By.ID, "status").text)
         browser.find_element(By.ID, "question").send_keys("What did you see?")
         browser.find_element(By.ID, "ask").click()
         WebDriverWait(browser, 60).until(
@@ -267,6 +273,8 @@ def test_a_page_closed_mid_answer_leaves_the_dashboard_serving(ros_env):
         assert sse_result(get(f"{url}/ask", data=quick)[1].decode())["success"]
         assert dash.poll() is None
     finally:
+        for sock in flood:
+            sock.close()
         if browser is not None:
             browser.quit()
         dash.terminate()

@@ -18,6 +18,7 @@ from dashboard_helpers import (
     closed,
     connect,
     dashboard_process,
+    open_events,
     post,
     read_response,
     request,
@@ -202,13 +203,6 @@ def sse_events(sock: socket.socket, wanted: str, timeout: float = 20.0) -> str:
             break
         seen += chunk
     return seen.decode(errors="replace")
-
-
-def open_events(port: int, *headers: str, path: str = "/events") -> socket.socket:
-    sock = connect(port)
-    lines = [f"GET {path} HTTP/1.1", "Host: 127.0.0.1", *headers]
-    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-    return sock
 
 
 def test_an_events_flood_does_not_lock_out_a_page(dashboard):
