@@ -1,6 +1,6 @@
 """The node process at its edges: a reliable camera of large frames with default parameters,
-SIGINT/SIGTERM at any moment (imports, model load, a question, after lifecycle transitions),
-and start-up refusals."""
+SIGINT/SIGTERM at any moment (imports, model load, a question, after lifecycle transitions,
+the exit after `shutdown`), and start-up refusals."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from deltas_ros.srv import AskMemory
 from ros_helpers import (
     PREFIX,
+    StderrLog,
     Tester,
     make_slow_loading_model,
     raw_frame,
@@ -152,15 +153,43 @@ def test_a_question_cut_by_lifecycle_transitions_then_sigint_exits_0(slow_model_
     assert code == 0 and "terminate called" not in err and "Traceback" not in err, err[-3000:]
 
 
-@pytest.mark.parametrize("parent_ignores", [False, True])
+@pytest.mark.parametrize("sig,parent_ignores", [(signal.SIGINT, False), (signal.SIGINT, True),
+                                                (signal.SIGTERM, False)])
 @pytest.mark.parametrize("delay_s", [0.3, 1.5])
-def test_sigint_while_the_imports_load_exits_0_without_a_traceback(tiny_model_dir, ros_domain,
-                                                                   delay_s, parent_ignores):
+def test_a_signal_while_the_imports_load_exits_0_without_a_traceback(tiny_model_dir, ros_domain,
+                                                                     delay_s, sig, parent_ignores):
     """Also when the node is started with SIGINT ignored, as a script's or CI's background job
-    starts it: the signal that came during the imports was lost, and the node ran on."""
+    starts it: the signal that came during the imports was lost, and the node ran on. SIGTERM
+    there killed the process (rc -15)."""
     process = start(tiny_model_dir, ros_domain, ignore_sigint=parent_ignores)
     time.sleep(delay_s)  # torch and transformers take seconds to import
-    code, seconds, err = exit_after(process, signal.SIGINT)
+    code, seconds, err = exit_after(process, sig)
+    assert code == 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signals_during_the_exit_after_shutdown_exit_0(tiny_model_dir, ros_domain, sig):
+    """After the `shutdown` transition the process leaves by itself; signals sent all along
+    that exit (every 20 ms from its "finalized: exiting" to the process's end: after rclpy
+    removed its handlers, into the interpreter's finalization) change nothing. SIGINT there
+    ended the process with rc -2, SIGTERM with rc -15."""
+    process = start(tiny_model_dir, ros_domain)
+    log = StderrLog(process)
+    tester = Tester()
+    try:
+        tester.wait_ready(process)
+        assert tester.transition("shutdown")
+    finally:
+        tester.close()
+    log.wait_for("finalized: exiting", timeout=60)
+    sent = 0
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        process.send_signal(sig)  # the process may end between poll and send: harmless
+        sent += 1
+        time.sleep(0.02)
+    code, err = log.stop()
+    assert sent > 0, "the process ended before a signal was sent"
     assert code == 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
 
 
