@@ -122,23 +122,29 @@ class FrameRecord:
     build_s: float  # CPU time of ChunkBuilder.build, 0 unless the frame finished a chunk
 
 
-def middleware_cpu_s() -> float | None:
-    """CPU seconds so far of this process's Fast DDS threads (None where the kernel keeps no
-    schedstat); threads that already ended are not counted (Fast DDS keeps its threads for the
-    participant's life)."""
+def middleware_cpu_s() -> dict[str, float] | None:
+    """CPU seconds so far of each of this process's Fast DDS threads, by thread id (None where
+    the kernel keeps no schedstat); threads that already ended are not in it."""
     if not os.path.exists("/proc/self/schedstat"):
         return None
-    total = 0
+    seconds = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as comm:
                 if not comm.read().startswith(MIDDLEWARE_THREAD):
                     continue
             with open(f"/proc/self/task/{tid}/schedstat") as schedstat:
-                total += int(schedstat.read().split()[0])  # ns on the CPU
+                seconds[tid] = int(schedstat.read().split()[0]) / 1e9  # ns on the CPU
         except OSError:  # the thread ended between listdir and the reads
             continue
-    return total / 1e9
+    return seconds
+
+
+def middleware_cpu_between(start: dict[str, float], end: dict[str, float]) -> float:
+    """The Fast DDS threads' CPU seconds from one middleware_cpu_s() to a later one, thread by
+    thread: a thread that ended in between drops out with its time (its sum once went below
+    zero on Jazzy, under load), one that began counts whole."""
+    return sum(cpu - start.get(tid, 0.0) for tid, cpu in end.items())
 
 
 def start_spinning(executor: Executor) -> Callable[[], None]:
@@ -172,7 +178,7 @@ class Ingest:
                                               DEFAULT_PIXEL_BUDGET)
         self.position = 0
         self.records: list[FrameRecord] = []
-        self.middleware_s: float | None = None  # middleware_cpu_s() at the first callback
+        self.middleware_s: dict[str, float] | None = None  # middleware_cpu_s(), first callback
         qos = QoSProfile(depth=FRAME_HISTORY, reliability=ReliabilityPolicy.RELIABLE,
                          durability=DurabilityPolicy.VOLATILE)
         self.msg_type = Image if encoding == "rgb8" else CompressedImage
@@ -244,7 +250,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     executor.add_node(node)
     stop_spinning = start_spinning(executor)
 
-    def stream_end() -> tuple[int, float | None, float]:
+    def stream_end() -> tuple[int, dict[str, float] | None, float]:
         """Frames so far, the middleware threads' CPU seconds and perf_counter now."""
         return len(ingest.records), middleware_cpu_s(), time.perf_counter()
 
@@ -277,7 +283,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def summarize(records: list[FrameRecord], published: dict[str, Any], idle_percent: float,
               deserialize: float, copy: float, one_thread: bool,
-              middleware: tuple[float | None, float | None, float]) -> dict[str, Any]:
+              middleware: tuple[dict[str, float] | None, dict[str, float] | None, float],
+              ) -> dict[str, Any]:
     """middleware: Fast DDS threads' CPU seconds at the first callback and at the stream's end
     (the publisher's exit, or the last frame that came after it), and perf_counter at the end:
     their share of a core is over that window, which ends within a few tenths of a second of
@@ -292,7 +299,7 @@ def summarize(records: list[FrameRecord], published: dict[str, Any], idle_percen
     wall = last.wall_s - first.wall_s
     middleware_start, middleware_end, end_wall = middleware
     middleware_ms = None if middleware_start is None or middleware_end is None else (
-        middleware_end - middleware_start) * 1e3
+        middleware_cpu_between(middleware_start, middleware_end) * 1e3)
     callback_ms = sum((r.path_s + r.build_s) * 1e3 for r in records[:-1]) / intervals
     floor_ms = None if middleware_ms is None else middleware_ms / intervals + callback_ms + copy
     skipped = [r.path_s * 1e3 for r in records if not r.sampled]
