@@ -88,6 +88,27 @@ def test_every_import_is_declared():
         assert f"ros-{name.replace('_', '-')}==" in pins, name
 
 
+def requirement_pins(name: str) -> dict[str, str]:
+    """A requirements file's `name==version` lines (extras dropped) by name."""
+    lines = (REPO / name).read_text().splitlines()
+    return dict(re.sub(r"\[.*\]", "", line).split("==") for line in lines if "==" in line)
+
+
+def test_jazzy_pins_are_kilteds_but_for_the_ros_wheels():
+    """requirements-jazzy.txt is requirements.txt with Jazzy's ROS wheels in place of Kilted's
+    (and colcon): the same tools and tests, requirements-core.txt included, every ROS package
+    the node runs on pinned for both."""
+    kilted = requirement_pins("requirements.txt")
+    jazzy = requirement_pins("requirements-jazzy.txt")
+    assert "\n-r requirements-core.txt\n" in (REPO / "requirements-jazzy.txt").read_text()
+    assert ({k: v for k, v in kilted.items() if not k.startswith("ros-")}
+            == {k: v for k, v in jazzy.items()
+                if not k.startswith("ros-") and k != "colcon-common-extensions"})
+    runtime = {k for k in kilted if k.startswith("ros-") and "cmake" not in k
+               and "rosidl" not in k and k != "ros-ament-package"}
+    assert runtime <= set(jazzy) and jazzy["ros-rclpy"].startswith("7.")
+
+
 def test_every_interface_file_is_generated():
     cmake = (REPO / "CMakeLists.txt").read_text()
     for path in [*(REPO / "msg").glob("*.msg"), *(REPO / "srv").glob("*.srv"),
