@@ -6,8 +6,10 @@ test_node.py starts the node as its own process, as launch does; these faults ne
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -286,3 +288,31 @@ def test_serving_and_the_answers_without_a_session_follow_rclpys_state(tiny_mode
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)
+
+
+def test_cleanup_lets_go_of_the_memory_and_the_model(tiny_model_dir, ros_env):
+    """Configured, streamed, asked, then cleanup: nothing refers to the session, the memory,
+    the model, a weight or the tokenizer any more (weak references die), in a first cycle and
+    in one configured again after it. What a cycle leaves in RSS is bench.cleanup_memory's."""
+    tester = Tester()
+    try:
+        with node_in_process(tiny_model_dir) as node:
+            for _ in range(2):
+                wait_ready(tester, node)
+                tester.stream(2.0, fps=10.0)
+                tester.wait_for(lambda: len(tester.drift) >= 1)
+                assert tester.ask("what did you see?").success
+                memory = node.session.memory
+                objects = {"session": node.session, "memory": memory, "model": memory.model,
+                           "weight": next(memory.model.parameters()),
+                           "tokenizer": memory.tokenizer}
+                refs = {name: weakref.ref(value) for name, value in objects.items()}
+                del memory, objects
+                assert tester.transition("deactivate") and tester.transition("cleanup")
+                gc.collect()
+                assert [name for name, ref in refs.items() if ref() is not None] == []
+                assert tester.transition("configure") and tester.transition("activate")
+                with tester.lock:
+                    tester.drift.clear()
+    finally:
+        tester.close()
