@@ -19,6 +19,7 @@ from deltas_ros.core.backend import Backend
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.persistence import load_memory, save_memory
 from deltas_ros.core.policy import POLICY_NAMES, select_keep, select_runs
+from deltas_ros.core.poses import Pose
 from deltas_ros.core.reference import (
     fill_cache,
     fill_plan,
@@ -33,13 +34,15 @@ STREAM = dict(budget_tokens=150, window_tokens=40, max_new_tokens=3, **TINY_FRAM
 
 
 def table(sizes: list[int]) -> SlotTable:
-    """A slot table of chunks of the given sizes (chunk c at time c, score c % 3)."""
+    """A slot table of chunks of the given sizes (chunk c at time c, score c % 3; a pose at
+    every even chunk)."""
     slots = SlotTable().append(0.0, PREFIX_CHUNK, torch.full((2,), float("inf")),
                                torch.arange(2).expand(3, -1))
     position = 2
     for c, n in enumerate(sizes):
         slots = slots.append(float(c), c, torch.full((n,), float(c % 3)),
-                             torch.arange(position, position + n).expand(3, -1), stamp=10.0 + c)
+                             torch.arange(position, position + n).expand(3, -1), stamp=10.0 + c,
+                             pose=None if c % 2 else Pose("map", (float(c), 0.0, 0.0)))
         position += n
     return slots
 
@@ -118,7 +121,8 @@ def test_keep_runs_gives_the_table_and_slot_pairs_of_keep_slots(chunks, budget, 
         scores = torch.arange(n, dtype=torch.float32) % 2 if score is None else \
             torch.full((n,), score)
         slots = slots.append(float(c), c, scores,
-                             torch.arange(position, position + n).expand(3, -1), stamp=10.0 + c)
+                             torch.arange(position, position + n).expand(3, -1), stamp=10.0 + c,
+                             pose=None if c % 2 else Pose("map", (float(c), 0.0, 0.0)))
         position += n
         if len(slots) <= budget:
             continue

@@ -37,6 +37,7 @@ from .slots import SlotTable
 
 if TYPE_CHECKING:
     from .memory import StreamingMemory
+    from .poses import Pose
 
 
 def select_keep_reference(
@@ -75,9 +76,10 @@ def select_keep_reference(
 
 
 def held_chunks_reference(table: SlotTable, sinks: int, window: int,
-                          buckets: int) -> list[tuple[int, float, int, int]]:
-    """`SlotTable.held_chunks` as a loop over chunks: (chunk, time, slots, bucket) each, where its
-    bucket is that of its first slot among the candidates `select_keep_reference` ranks."""
+                          buckets: int) -> list[tuple[int, float, int, int, Pose | None]]:
+    """`SlotTable.held_chunks` as a loop over chunks: (chunk, time, slots, bucket, pose) each,
+    where its bucket is that of its first slot among the candidates `select_keep_reference`
+    ranks."""
     order = table.arrival_order().tolist()
     times = [table.time[i].item() for i in order]
     chunks = [table.chunk[i].item() for i in order]
@@ -93,7 +95,7 @@ def held_chunks_reference(table: SlotTable, sinks: int, window: int,
                 bucket = 0 if hi == lo else min(buckets - 1,
                                                 int((times[i] - lo) / (hi - lo) * buckets))
                 break
-        held.append((chunk, times[slots[0]], len(slots), bucket))
+        held.append((chunk, times[slots[0]], len(slots), bucket, table.poses.get(chunk)))
     return held
 
 

@@ -102,6 +102,7 @@ class HeldChunk(NamedTuple):
     time: float
     tokens: int  # its slots still in the cache (fewer than it brought once it was thinned)
     bucket: int  # the temporal bucket its evictable slots compete in; -1: none (recent window)
+    pose: Pose | None = None  # the robot's pose at its stamp, when known (~/memory_markers)
 
 
 @dataclass

@@ -217,9 +217,10 @@ class SlotTable:
         return self.chunk[self.chunk >= 0].unique().tolist()
 
     def held_chunks(self, sinks: int, window: int, buckets: int) -> list[HeldChunk]:
-        """The held stream chunks, oldest first, each with its slots and the temporal bucket
+        """The held stream chunks, oldest first, each with its slots, the temporal bucket
         its evictable slots (between the sinks and the recent window, in arrival order) fall
-        in as the next eviction would see them (-1: all of them are sinks or window).
+        in as the next eviction would see them (-1: all of them are sinks or window) and its
+        pose.
         `reference.held_chunks_reference` is the per-chunk loop it is tested against."""
         order = self.arrival_order().numpy()
         chunk, time = self.chunk.numpy()[order], self.time.numpy()[order]
@@ -232,7 +233,7 @@ class SlotTable:
         ids, starts, counts = np.unique(chunk[stream], return_index=True, return_counts=True)
         first = np.flatnonzero(stream)[starts]
         top = np.maximum.reduceat(bucket[stream], starts) if ids.size else []
-        return [HeldChunk(int(c), float(time[f]), int(n), int(b))
+        return [HeldChunk(int(c), float(time[f]), int(n), int(b), self.poses.get(int(c)))
                 for c, f, n, b in zip(ids, first, counts, top)]
 
     def chunk_time(self, chunk: int) -> float:
