@@ -26,7 +26,7 @@ ALLOWED = {
 GENERATED = ("deltas_ros.msg", "deltas_ros.srv", "deltas_ros.action")
 ROS_PACKAGES = ("rclpy", "rcl_interfaces", "builtin_interfaces", "std_msgs", "std_srvs",
                 "sensor_msgs", "diagnostic_msgs", "rosgraph_msgs", "geometry_msgs", "nav_msgs",
-                "lifecycle_msgs", "action_msgs")
+                "lifecycle_msgs", "action_msgs", "visualization_msgs")
 MAX_LINES = 450
 
 

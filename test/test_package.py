@@ -82,7 +82,8 @@ def test_every_import_is_declared():
     assert "grep -o 'flash-linear-attention==" in (REPO / "bench" / "gpu.sh").read_text()
     ros = {"rclpy", "rcl_interfaces", "ament_index_python", "sensor_msgs", "nav_msgs",
            "geometry_msgs", "std_srvs", "std_msgs", "diagnostic_msgs", "lifecycle_msgs",
-           "rosgraph_msgs", "builtin_interfaces", "action_msgs", "launch", "launch_ros"}
+           "rosgraph_msgs", "builtin_interfaces", "action_msgs", "visualization_msgs", "launch",
+           "launch_ros"}
     assert ros <= manifest("exec_depend") | manifest("depend")
     for name in ros - {"launch", "launch_ros", "ament_index_python", "rcl_interfaces", "rclpy"}:
         assert f"ros-{name.replace('_', '-')}==" in pins, name

@@ -87,6 +87,7 @@ class AskActionServer:
                 result.message = str(error)
         if answer is not None:
             fill_answer(result, answer)
+            self.node.memory_view.answered(answer)
             result.generated_tokens = answer.generated_tokens
             result.success = not answer.cancelled
         result.latency_ms = (time.perf_counter() - start) * 1e3

@@ -1,6 +1,6 @@
-"""ROS sides of where and what the memory holds: the pose input, ~/memory_image and
-~/memory_chunks, and an answer's fields as AskMemory's response and the ask action's result
-share them."""
+"""ROS sides of where and what the memory holds: the pose input, ~/memory_image,
+~/memory_chunks and ~/memory_markers (markers.py), and an answer's fields as AskMemory's
+response and the ask action's result share them."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from ..core.results import HeldChunk
 from ..msg import MemoryChunks
 from ..runtime.image import MemoryImage
 from .adapters import to_time_msg
+from .markers import MemoryMarkers
 
 POSE_TYPES = {"odometry": Odometry, "pose_stamped": PoseStamped,
               "pose_with_covariance": PoseWithCovarianceStamped}
@@ -120,16 +121,20 @@ class PoseInput:
 
 class MemoryView:
     """What the memory holds, for a person looking: ~/memory_image, the strip of retained
-    chunks, and ~/memory_chunks, every held chunk with its tokens and bucket (both transient
-    local), refreshed after every chunk: a full memory evicts on every chunk anyway, so this is
-    the steady state's cost from the first chunk on. Called on the worker thread."""
+    chunks, ~/memory_chunks, every held chunk with its tokens and bucket, and ~/memory_markers,
+    where they were seen and the latest answer's evidence (all transient local), refreshed after
+    every chunk: a full memory evicts on every chunk anyway, so this is the steady state's cost
+    from the first chunk on. `chunk_done` runs on the worker thread, `answered` on executor
+    threads."""
 
     def __init__(self, node: Node, thumbnails: int) -> None:
         qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                          durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.image_pub = node.create_publisher(Image, "~/memory_image", qos)
         self.chunks_pub = node.create_publisher(MemoryChunks, "~/memory_chunks", qos)
+        self.markers = MemoryMarkers(node, qos)
         self.strip, self.last_index = MemoryImage(thumbnails), -1
+        self.logger = node.get_logger()
 
     def chunk_done(self, result: ChunkResult, frame: np.ndarray, held: list[HeldChunk],
                    frame_id: str) -> None:
@@ -140,6 +145,16 @@ class MemoryView:
         self.strip.retain(h.index for h in held)
         self.image_pub.publish(image_message(self.strip.render(), result.stamp, frame_id))
         self.chunks_pub.publish(chunks_message(held, result.stamp, frame_id))
+        self.markers.chunks(held)
+
+    def answered(self, answer: Answer) -> None:
+        """After a question (service or action): its evidence on ~/memory_markers. A failure
+        here is logged, never the caller's: the answer is what the planner waits for."""
+        try:
+            self.markers.answered(answer)
+        except Exception as error:
+            self.logger.warning(f"~/memory_markers not refreshed after an answer: "
+                                f"{type(error).__name__}: {error}", throttle_duration_sec=5.0)
 
 
 def chunks_message(held: list[HeldChunk], stamp: float | None, frame_id: str) -> MemoryChunks:

@@ -9,8 +9,9 @@ runtime/worker.py:
     services.py (~/ask_memory, ~/reset_memory, ~/save_memory, ~/load_memory) and
         action.py (~/ask) -> Session.ask / Session.operate -> the worker, between chunks
     pose_topic (optional) -> PoseInput; the worker tags each chunk with the pose at its stamp
-    MemoryWorker -> Session.chunk_done -> ~/drift (DriftScore, one per chunk), ~/memory_image
-        and ~/memory_chunks after every chunk; 1 Hz timer -> /diagnostics
+    MemoryWorker -> Session.chunk_done -> ~/drift (DriftScore, one per chunk), ~/memory_image,
+        ~/memory_chunks and ~/memory_markers after every chunk (the markers after every answer
+        too); 1 Hz timer -> /diagnostics
 
 executable.py is the executable around it. Threads: a MultiThreadedExecutor runs the timer,
 the lifecycle transitions, the memory services and the parameter services in separate callback
@@ -171,7 +172,7 @@ class MemoryNode(MemoryLifecycle, RefusedTransitions, LifecycleNodeMixin, Node):
 
     def _publish_chunk(self, chunk, result, held: list[HeldChunk]) -> None:
         """Worker thread, after the session recorded the chunk: its drift, and what the memory
-        holds (`held`, oldest first) as the memory image and ~/memory_chunks."""
+        holds (`held`, oldest first) as the memory image, ~/memory_chunks and the markers."""
         msg = drift_message(ChunkRecord.from_result(chunk, result), self.session.frame_id)
         msg.pose = pose_stamped(result.pose, result.stamp)
         self.drift_pub.publish(msg)  # after Ctrl-C this raises; the worker counts it and goes on

@@ -59,6 +59,7 @@ class MemoryServices:
                 response.error = str(error)
             else:
                 fill_answer(response, answer)
+                self.node.memory_view.answered(answer)
                 response.success = not answer.cancelled
                 response.error = STOPPED if answer.cancelled else ""
         response.message = response.error  # `error` is the deprecated name of `message`
