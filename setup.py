@@ -23,7 +23,7 @@ setup(
     license="Apache-2.0",
     packages=["deltas_ros", *(f"deltas_ros.{sub}" for sub in SUBPACKAGES)],
     # The shipped scene model (deltas_ros/models/scenes-tiny), the default model.
-    package_data={"deltas_ros": ["models/*/*", "ros/dashboard.html"]},
+    package_data={"deltas_ros": ["models/*/*", "ros/dashboard.html", "ros/dashboard*.js"]},
     python_requires=">=3.10",
     install_requires=[
         "numpy",

@@ -53,8 +53,10 @@ def chunk_dict(msg: DriftScore) -> dict:
 
 
 def held_dict(msg: MemoryChunks) -> dict:
+    """The held chunks; `stamp` (the newest chunk's) pairs them with the memory image drawn
+    after the same chunk, whose tiles the page then knows chunk by chunk."""
     return {"stream_time": list(msg.stream_time), "tokens": list(msg.tokens),
-            "bucket": list(msg.bucket)}
+            "bucket": list(msg.bucket), "stamp": seconds(msg.header.stamp)}
 
 
 def result_dict(result: Any) -> dict:
@@ -98,7 +100,9 @@ class DashboardNode(Node):
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.create_subscription(Image, f"{self.memory_node}/memory_image",
-                                 lambda m: self.state.set_image(jpeg_of(m)), latched)
+                                 lambda m: self.state.set_image(jpeg_of(m),
+                                                                seconds(m.header.stamp)),
+                                 latched)
         self.create_subscription(MemoryChunks, f"{self.memory_node}/memory_chunks",
                                  lambda m: self.state.set_held(held_dict(m)), latched)
         self.ask_client = ActionClient(self, AskMemory, f"{self.memory_node}/ask")

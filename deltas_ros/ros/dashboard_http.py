@@ -10,6 +10,7 @@ answer so far), so neither a slow browser nor a closed one reaches rclpy's execu
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,11 +24,20 @@ from .dashboard_server import BoundedServer
 from .dashboard_state import DashboardState, Subscriber, sse
 
 PAGE = Path(__file__).with_name("dashboard.html")
+# The page's own scripts (dashboard*.js beside it), inlined where the page names them.
+SCRIPT = re.compile(rb'<script src="(dashboard[a-z_]*\.js)"></script>')
 STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-store"}
 
 # ask(question, on_feedback, left) -> result dict: blocks until the goal ends; when `left` is
 # set (the client went away) it cancels its goal and returns. cancel() -> bool.
 AskFn = Callable[[Question, Callable[[dict], None], threading.Event], dict]
+
+
+def page_html() -> bytes:
+    """The page with its scripts inlined: one request, and no script URL has to carry the
+    token (the page passes it on to what its script requests)."""
+    return SCRIPT.sub(lambda m: b"<script>\n" + PAGE.with_name(m[1].decode()).read_bytes()
+                      + b"</script>", PAGE.read_bytes())
 
 
 def refusal(status: int, reason: str) -> web.Response:
@@ -114,7 +124,7 @@ class DashboardHttp:
             return refusal(refused.status, refused.reason)
 
     async def page(self, request: web.BaseRequest) -> web.StreamResponse:
-        return web.Response(body=PAGE.read_bytes(), content_type="text/html", charset="utf-8",
+        return web.Response(body=page_html(), content_type="text/html", charset="utf-8",
                             headers={"Cache-Control": "no-store"})
 
     async def snapshot(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -122,11 +132,13 @@ class DashboardHttp:
 
     async def image(self, request: web.BaseRequest) -> web.StreamResponse:
         with self.state.lock:
-            image = self.state.image
+            image, stamp = self.state.image, self.state.image_stamp
         if not image:
             raise Refused(404, "no memory image yet")
+        # The stamp as /state's held["stamp"] spells it (repr: the same float back in JSON).
         return web.Response(body=image, content_type="image/jpeg",
-                            headers={"Cache-Control": "no-store"})
+                            headers={"Cache-Control": "no-store",
+                                     "X-Memory-Stamp": repr(stamp)})
 
     async def _stream(self, request: web.BaseRequest) -> web.StreamResponse:
         """An event stream's response, sent; its connection closes when the stream ends."""

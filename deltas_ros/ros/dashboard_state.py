@@ -52,6 +52,7 @@ class DashboardState:
         self.evictions: deque[dict] = deque(maxlen=self.limits.evictions)
         self.health: dict[str, Any] = {}
         self.image: bytes = b""
+        self.image_stamp = 0.0  # the stamp of the chunk after which the image was drawn
         self.held: dict[str, list] = {}  # the node's latest ~/memory_chunks, as arrays
         self.loop: asyncio.AbstractEventLoop | None = None  # the HTTP loop, once it runs
         self.subscribers: list[Subscriber] = []  # oldest first; touched on the loop only
@@ -68,10 +69,10 @@ class DashboardState:
             self.health = health
         self.publish("health", health)
 
-    def set_image(self, jpeg: bytes) -> None:
+    def set_image(self, jpeg: bytes, stamp: float = 0.0) -> None:
         with self.lock:
-            self.image = jpeg
-        self.publish("image", {"bytes": len(jpeg)})
+            self.image, self.image_stamp = jpeg, stamp
+        self.publish("image", {"bytes": len(jpeg), "stamp": stamp})
 
     def set_held(self, held: dict[str, list]) -> None:
         """What the memory holds now (one entry per chunk: bounded by the node's budget)."""
