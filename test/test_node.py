@@ -21,6 +21,7 @@ from diagnostic_msgs.msg import DiagnosticStatus
 from engine_helpers import corrupted_jpeg
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import serialize_message
 from ros_helpers import (
     BASE_STAMP,
@@ -35,6 +36,7 @@ from ros_helpers import (
     stop,
 )
 from sensor_msgs.msg import CompressedImage, Image
+from visualization_msgs.msg import Marker, MarkerArray
 
 from deltas_ros.ros.node import QUESTION_SLOTS
 from deltas_ros.runtime.files import read_metadata
@@ -93,6 +95,24 @@ def test_streams_one_drift_per_second_and_answers_while_streaming(raw_node):
     assert all(answer.memory_span_start <= t <= answer.memory_span_end
                for t in answer.evidence_times)
     assert len(answer.evidence_stamps) == len(answer.evidence_times)
+
+
+def test_without_poses_the_markers_are_a_deleteall_alone(raw_node):
+    """No pose_topic: ~/memory_markers still comes (transient local) and after every answer,
+    holding nothing but its DELETEALL; the question is answered as ever."""
+    tester, _ = raw_node
+    got: list[MarkerArray] = []
+    latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.TRANSIENT_LOCAL)
+    subscription = tester.node.create_subscription(MarkerArray, "/deltas_memory/memory_markers",
+                                                   got.append, latched)
+    try:
+        tester.wait_for(lambda: got, timeout=60)  # the latest, kept for a late subscriber
+        assert tester.ask("Where is the cup?", timeout=120).success
+        tester.wait_for(lambda: len(got) >= 2, timeout=60)
+        assert all([m.action for m in msg.markers] == [Marker.DELETEALL] for msg in got)
+    finally:
+        tester.node.destroy_subscription(subscription)
 
 
 def test_same_input_at_1x_and_2x_gives_the_same_chunks(raw_node):

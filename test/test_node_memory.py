@@ -1,7 +1,7 @@
 """The node's ROS-native memory over DDS, from another process: the ask action (feedback as
 tokens decode, cancel, memory bit-identical), a time-windowed question, chunk poses from a
-synthetic pose stream on DriftScore and as evidence, the ~/memory_image topic, and goals
-rejected while the node is not active or its action slots are full."""
+synthetic pose stream on DriftScore and as evidence, the ~/memory_image and ~/memory_markers
+topics, and goals rejected while the node is not active or its action slots are full."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from ros_helpers import (
 )
 from safetensors.torch import load_file
 from sensor_msgs.msg import Image
+from visualization_msgs.msg import Marker, MarkerArray
 
 from deltas_ros.core.poses import Pose
 from deltas_ros.ros.action import ACTION_SLOTS
@@ -79,6 +80,9 @@ class MemoryTester(Tester):
         self.held: list[MemoryChunks] = []
         self.node.create_subscription(MemoryChunks, "/deltas_memory/memory_chunks",
                                       self._on_held, latched)
+        self.markers: list[MarkerArray] = []
+        self.node.create_subscription(MarkerArray, "/deltas_memory/memory_markers",
+                                      self._on_markers, latched)
 
     def _on_image(self, msg: Image) -> None:
         with self.lock:
@@ -87,6 +91,10 @@ class MemoryTester(Tester):
     def _on_held(self, msg: MemoryChunks) -> None:
         with self.lock:
             self.held.append(msg)
+
+    def _on_markers(self, msg: MarkerArray) -> None:
+        with self.lock:
+            self.markers.append(msg)
 
     def publish_pose(self, stamp: float) -> None:
         pose = expected_pose(stamp)
@@ -233,6 +241,92 @@ def test_memory_chunks_list_what_the_memory_holds(node):
     assert len(tokens) == len(bucket) == len(held_times)
     assert 0 < sum(tokens) < last.kv_tokens  # the chat prefix's slots are not a chunk
     assert bucket[-1] == -1 and max(bucket) >= 1 and min(b for b in bucket if b >= 0) == 0
+
+
+def markers_of(array: MarkerArray, ns: str) -> list[Marker]:
+    return [m for m in array.markers if m.ns == ns]
+
+
+def position(marker: Marker) -> list[float]:
+    p = marker.pose.position
+    return [p.x, p.y, p.z]
+
+
+def test_memory_markers_place_every_held_chunk_at_its_pose(node):
+    """~/memory_markers after the stream: DELETEALL first, an arrow per held chunk (its id the
+    chunk's index) in the pose's frame at the pose its ~/drift message carries, the path through
+    them oldest first, and stream-time labels."""
+    tester, _ = node
+
+    def current() -> bool:  # the newest markers show the newest held chunks
+        if not (tester.markers and tester.held):
+            return False
+        times = {m.chunk_index: m.stream_time for m in tester.drift}
+        shown = [times.get(m.id) for m in markers_of(tester.markers[-1], "chunks")]
+        return shown == list(tester.held[-1].stream_time)
+
+    tester.wait_for(current, timeout=120)
+    with tester.lock:
+        array, drift = tester.markers[-1], {m.chunk_index: m for m in tester.drift}
+    assert array.markers[0].action == Marker.DELETEALL
+    arrows = markers_of(array, "chunks")
+    assert len(arrows) >= 2 and all(m.type == Marker.ARROW for m in arrows)
+    for arrow in arrows:
+        pose = drift[arrow.id].pose
+        assert arrow.header.frame_id == pose.header.frame_id == "map"
+        p, q, o = pose.pose.position, pose.pose.orientation, arrow.pose.orientation
+        assert position(arrow) == pytest.approx([p.x, p.y, p.z], abs=1e-9)
+        assert [o.x, o.y, o.z, o.w] == pytest.approx([q.x, q.y, q.z, q.w], abs=1e-9)
+    (path,) = markers_of(array, "path")
+    assert path.type == Marker.LINE_STRIP and path.header.frame_id == "map"
+    assert [c for p in path.points for c in (p.x, p.y, p.z)] == pytest.approx(
+        [c for a in arrows for c in position(a)], abs=1e-9)
+    labels = markers_of(array, "labels")
+    assert labels and all(m.type == Marker.TEXT_VIEW_FACING for m in labels)
+    assert [m.text for m in labels] == [f"{drift[m.id].stream_time:.1f}s" for m in labels]
+
+
+def check_evidence(tester: MemoryTester, reply, sent_before: int) -> None:
+    """The markers published after `reply` (a newer message than the `sent_before`th) draw its
+    evidence at the evidence poses, larger than the chunks, labelled with time and answer."""
+    text = " ".join(reply.answer.split())[:40]
+    assert reply.evidence_times and len(reply.evidence_poses) == len(reply.evidence_times)
+
+    def shown() -> bool:
+        return len(tester.markers) > sent_before and [
+            m.text[:len(f"{t:.1f}s")] for m, t in zip(
+                markers_of(tester.markers[-1], "answer"), reply.evidence_times)] == [
+            f"{t:.1f}s" for t in reply.evidence_times]
+
+    tester.wait_for(shown, timeout=60)
+    with tester.lock:
+        array = tester.markers[-1]
+    big, labels = markers_of(array, "evidence"), markers_of(array, "answer")
+    assert len(big) == len(labels) == len(reply.evidence_times)
+    chunk = markers_of(array, "chunks")[0]
+    for marker, label, pose in zip(big, labels, reply.evidence_poses):
+        p = pose.pose.position
+        assert marker.header.frame_id == pose.header.frame_id == "map"
+        assert position(marker) == pytest.approx([p.x, p.y, p.z], abs=1e-9)
+        assert marker.scale.x > chunk.scale.x and marker.color != chunk.color
+        assert text in label.text
+
+
+def test_memory_markers_show_the_latest_answers_evidence(node):
+    """After a question, by the service and then by the action: its evidence chunks enlarged at
+    their poses and labelled with the answer, until the next answer."""
+    tester, _ = node
+    with tester.lock:
+        sent = len(tester.markers)
+    reply = tester.call(tester.ask_client, AskMemory.Request(question="Where was the red cup?",
+                                                             max_new_tokens=3), timeout=120)
+    assert reply.success, reply.message
+    check_evidence(tester, reply, sent)
+    with tester.lock:
+        sent = len(tester.markers)
+    status, result, _ = tester.goal("What did you see last?", max_new_tokens=3)
+    assert status == GoalStatus.STATUS_SUCCEEDED and result.success, result.message
+    check_evidence(tester, result, sent)
 
 
 def test_goals_are_rejected_while_the_node_is_not_active(node):
