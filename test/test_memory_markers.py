@@ -4,6 +4,7 @@ answer's evidence, and nothing for chunks without a pose."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -155,3 +156,28 @@ def test_markers_that_fail_after_an_answer_are_logged_not_raised():
     view.markers.publisher = SimpleNamespace(publish=lambda _msg: 1 / 0)
     view.answered(answer("red", [0.5], [posed(0).pose]))
     assert node.warnings and "ZeroDivisionError" in node.warnings[0]
+
+
+def test_the_rviz_config_shows_the_markers_and_the_image_of_the_default_node():
+    """config/memory.rviz (rviz2 itself is not installable here): YAML naming the node's two
+    topics with RViz's display classes, transient local as they are published, every namespace
+    the markers use, fixed frame map."""
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" /
+                             "memory.rviz").read_text())
+    manager = config["Visualization Manager"]
+    displays = {d["Class"]: d for d in manager["Displays"]}
+    markers = displays["rviz_default_plugins/MarkerArray"]
+    image = displays["rviz_default_plugins/Image"]
+    assert markers["Topic"]["Value"] == "/deltas_memory/memory_markers"
+    assert image["Topic"]["Value"] == "/deltas_memory/memory_image"
+    for display in (markers, image):
+        assert display["Enabled"] and display["Value"]
+        assert display["Topic"]["Durability Policy"] == "Transient Local"
+        assert display["Topic"]["Reliability Policy"] == "Reliable"
+    everything = memory_markers([posed(0, 0), posed(1, -1)], Evidence.of(
+        answer("red", [0.5], [posed(0).pose])))
+    assert set(markers["Namespaces"]) == {m.ns for m in everything.markers[1:]}
+    assert all(markers["Namespaces"].values())
+    assert manager["Global Options"]["Fixed Frame"] == "map"
