@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), then run every test: engine, node and tools over DDS, package, lint.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k policy
-# `--distro jazzy` first runs them on ROS 2 Jazzy (.venv-jazzy), e.g.
+# `--distro jazzy` before them runs the tests on ROS 2 Jazzy (.venv-jazzy) instead of Kilted, e.g.
 # scripts/test.sh --distro jazzy -m ros
 set -euo pipefail
 cd "$(dirname "$0")/.."
