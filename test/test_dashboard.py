@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ from pathlib import Path
 import pytest
 from dashboard_helpers import SlowMemory, chromium, open_events
 from engine_helpers import wait_until
-from ros_helpers import SMALL, Tester, node_command, start, stop
+from geometry_msgs.msg import PoseStamped
+from ros_helpers import BASE_STAMP, SMALL, Tester, node_command, stamp_msg, start, stop
 
 from deltas_ros.ros.dashboard_access import check_bind
 from deltas_ros.ros.dashboard_http import DashboardHttp
@@ -123,12 +125,23 @@ def wait_matched(url: str, tester: Tester, node: str) -> None:
     tester.wait_for(lambda: tester.node.count_subscribers(f"{node}/drift") >= 2)
 
 
+def robot_pose(stamp: float) -> PoseStamped:
+    """Where the test's robot is at `stamp`: along a circle of 2 m, facing along it."""
+    angle = 0.8 * (stamp - BASE_STAMP)
+    msg = PoseStamped()
+    msg.header.stamp, msg.header.frame_id = stamp_msg(stamp), "odom"
+    msg.pose.position.x, msg.pose.position.y = 2 * math.cos(angle), 2 * math.sin(angle)
+    msg.pose.orientation.z = math.sin((angle + math.pi / 2) / 2)
+    msg.pose.orientation.w = math.cos((angle + math.pi / 2) / 2)
+    return msg
+
+
 @pytest.fixture(scope="module")
 def live(tiny_model_dir, ros_domain):
-    """A memory node fed a few seconds of frames, and `deltas-ros dashboard` beside it; the
-    budget is small enough that the last chunk evicts."""
+    """A memory node fed a few seconds of frames and the robot's poses, and `deltas-ros
+    dashboard` beside it; the budget is small enough that the last chunk evicts."""
     node = start(tiny_model_dir, ros_domain, reliable_qos="true", budget_tokens="48",
-                 window_tokens="16")
+                 window_tokens="16", pose_topic="/robot_pose", pose_type="pose_stamped")
     env = dict(ros_domain, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     dash = subprocess.Popen(
         [sys.executable, "-m", "deltas_ros.tools.cli", "dashboard", "--port", "0"],
@@ -139,7 +152,10 @@ def live(tiny_model_dir, ros_domain):
         assert url.startswith("http://127.0.0.1:"), url
         tester.wait_ready(node)
         wait_matched(url, tester, "/deltas_memory")
-        tester.stream(3.0)
+        poses = tester.node.create_publisher(PoseStamped, "/robot_pose", 100)
+        # Each pose a little ahead of its frame: a chunk's stamp always lies between two.
+        tester.stream(3.0, on_frame=lambda i: poses.publish(robot_pose(BASE_STAMP + i / 30
+                                                                       + 0.1)))
         tester.wait_for(lambda: len(tester.drift) >= 3, timeout=180)
         yield url
     finally:
@@ -155,6 +171,7 @@ def test_dashboard_sees_chunks_and_answers(live):
     state = wait_state(live, lambda s: len(s["chunks"]) >= 3 and s["health"] and s["held"]
                        and s["held"]["stream_time"][-1] == s["chunks"][-1]["stream_time"])
     assert state["chunks"][0]["stream_time"] >= 0 and state["health"]["values"]["lifecycle"]
+    assert all(c["pose"]["frame_id"] == "odom" for c in state["chunks"])
     held = state["held"]
     assert held["stream_time"] == sorted(held["stream_time"])
     assert held["bucket"][-1] == max(held["bucket"])
@@ -166,6 +183,7 @@ def test_dashboard_sees_chunks_and_answers(live):
     assert code == 200 and result["success"], result
     assert result["evidence_times"] and len(result["evidence_stamps"]) == len(
         result["evidence_times"])
+    assert all(p["frame_id"] == "odom" for p in result["evidence_poses"])
 
 
 # Records what the page sends to /ask and the reply it streams back (a clone of the response).
@@ -179,6 +197,7 @@ window.fetch = async (url, options) => {
   return response;
 };
 """
+TIP = "return document.getElementById('maptip').textContent"
 TIPS = "return [...document.querySelectorAll('#timeline rect.bar title')].map(t => t.textContent)"
 LAST_ASK = """
 const done = arguments[arguments.length - 1];
@@ -191,6 +210,7 @@ last.reply.then((reply) => done({body: last.body, reply}));
 @pytest.mark.slow
 def test_the_page_in_headless_chromium(live):
     browser = chromium()
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -206,6 +226,30 @@ def test_the_page_in_headless_chromium(live):
         # Each bar says where its chunk is held (~/memory_chunks): its bucket and tokens.
         wait.until(lambda b: len(b.execute_script(TIPS)) >= 3 and all(
             "tokens held" in tip for tip in b.execute_script(TIPS)))
+        # Health at a glance: one tile per concern, each with its level and reason.
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, '#tiles .tile[data-name="Memory"]'))
+        for tile in browser.find_elements(By.CSS_SELECTOR, "#tiles .tile"):
+            assert tile.get_attribute("class").split()[-1] in ("ok", "warn", "error")
+            assert tile.find_element(By.CSS_SELECTOR, ".why").text
+        # The map: a point per posed chunk; hovering the newest gives its time, clicking it
+        # sets the question's window around it.
+        wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#map circle.pt")) >= 3)
+        assert "Frame odom" in browser.find_element(By.ID, "map-note").text
+        spelled = browser.find_elements(By.CSS_SELECTOR, "#map circle.pt")[-1] \
+            .get_attribute("data-t")
+        t = float(spelled)
+        shown = browser.execute_script("return `t=${arguments[0].toFixed(2)} s`", t)
+
+        def on_point(act) -> bool:  # found again each try: a chunk that arrives redraws the map
+            point = browser.find_element(By.CSS_SELECTOR, f'#map circle.pt[data-t="{spelled}"]')
+            act(ActionChains(browser), point).perform()
+            return True
+
+        retry = WebDriverWait(browser, 60, ignored_exceptions=[StaleElementReferenceException])
+        retry.until(lambda b: on_point(lambda chain, point: chain.move_to_element(point)))
+        wait.until(lambda b: shown in b.execute_script(TIP))
+        retry.until(lambda b: on_point(lambda chain, point: chain.click(point)))
+        assert value("since") <= t <= value("until") <= value("since") + 0.2
         # Drag from 40 % of the timeline to its right end: the newer chunks only.
         timeline = browser.find_element(By.ID, "timeline")
         width = timeline.size["width"]
@@ -221,6 +265,7 @@ def test_the_page_in_headless_chromium(live):
         wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#evidence.has-evidence")))
         assert browser.find_element(By.ID, "answer").text.strip() not in ("", "…")
         assert browser.find_elements(By.CSS_SELECTOR, "#timeline rect.bar.evidence")
+        assert browser.find_elements(By.CSS_SELECTOR, "#map .pt.evidence")
         asked = browser.execute_async_script(LAST_ASK)
         assert json.loads(asked["body"])["window"] == [since, until]
         result = sse_result(asked["reply"])

@@ -20,6 +20,7 @@ from deltas_ros.runtime.image import GAP, LABEL_H, THUMB_H, THUMB_W, MemoryImage
 
 MAP_JS = Path(__file__).resolve().parents[1] / "deltas_ros" / "ros" / "dashboard_map.js"
 STAMP0 = 1_700_000_000.0
+TIP = "return document.getElementById('maptip').textContent"
 WAIT_S = 60  # every wait's bound: generous on a loaded machine, never forever
 
 
@@ -126,8 +127,8 @@ def test_the_map_and_tiles_in_headless_chromium(page):
     def hover(t: float) -> str:
         dot = browser.find_element(By.CSS_SELECTOR, f'#map .pt[data-t="{t:g}"]')
         ActionChains(browser).move_to_element(dot).perform()
-        wait.until(lambda b: f"t={t:.1f} s" in text("#maptip"))
-        return text("#maptip")
+        wait.until(lambda b: f"t={t:.2f} s" in b.execute_script(TIP))
+        return browser.execute_script(TIP)
 
     # Hover: the time, and the chunk's tile as its picture (a canvas); an evicted chunk says
     # why it has none.

@@ -32,7 +32,14 @@ function mapNote(text, empty) {
   note.className = empty ? "empty" : "";
 }
 
+let mapDrawn = "";  // what the map shows now: redrawn only when it changes (not per report)
+
 function drawMap() {
+  const last = chunks[chunks.length - 1];
+  const shows = JSON.stringify([chunks.length, last && last.stream_time, heldStamp, newestHeld,
+                                held.size, evidence, chosenWindow()]);
+  if (shows === mapDrawn) return;
+  mapDrawn = shows;
   const svg = document.getElementById("map");
   svg.replaceChildren();
   const {frame, frames, points, posed} = posedChunks();
@@ -116,19 +123,21 @@ function showTip(target, event) {
   const c = chunks.find((k) => k.stream_time === t);
   tip.replaceChildren();
   if (!c) {
-    tip.append(line(`t=${t.toFixed(1)} s: evidence`),
+    tip.append(line(`t=${t.toFixed(2)} s: evidence`),
                line("no picture: the dashboard did not see this chunk arrive", "why"));
   } else {
     const {place, gone, where} = placeOf(c), pic = thumbnail(place, gone), p = c.pose;
     tip.append(pic.canvas || line("no picture: " + pic.why, "why"),
-               line(`t=${t.toFixed(1)} s, chunk ${c.index}, drift ${c.drift.toFixed(4)}`),
+               line(`t=${t.toFixed(2)} s, chunk ${c.index}, drift ${c.drift.toFixed(4)}`),
                line(where || `${c.chunk_tokens} tokens`),
                line(`x=${p.x.toFixed(2)} y=${p.y.toFixed(2)} yaw=` +
                     `${(yaw(p) * 180 / Math.PI).toFixed(0)}° in ${p.frame_id}`));
   }
-  tip.style.display = "block";
-  tip.style.left = Math.min(event.clientX + 14, window.innerWidth - 270) + "px";
-  tip.style.top = (event.clientY + 14) + "px";
+  tip.style.display = "block";  // beside the pointer, inside the window
+  tip.style.left = Math.max(Math.min(event.clientX + 14,
+                                     window.innerWidth - tip.offsetWidth - 4), 0) + "px";
+  tip.style.top = Math.max(Math.min(event.clientY + 14,
+                                    window.innerHeight - tip.offsetHeight - 4), 0) + "px";
 }
 
 const map = document.getElementById("map");
