@@ -6,7 +6,8 @@
 #   -> the same bag run offline per policy at a small budget, asked the same -> a plot.
 # Everything lands in $OUT (default out/demo). ROS_DOMAIN_ID defaults to 57.
 # --dashboard: also serve the browser dashboard (docs/dashboard.md) beside the node, and keep
-# both running after the demo until Ctrl-C.
+# both running after the demo until Ctrl-C; the robot's odometry for its map is made up
+# (scripts/demo_poses.py: a lap of a room, in step with the camera).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dashboard=false
@@ -45,9 +46,10 @@ else:
 question=${QUESTION:-${default[0]}}
 truth=$([ -z "${QUESTION:-}" ] && echo "${default[1]}" || echo "(unknown for your question)")
 model_args=()
+if $dashboard; then model_args=(-p pose_topic:=/odom); fi
 run_model=()
 if [ -n "${MODEL:-}" ]; then
-  model_args=(-p model_path:="$(realpath "$MODEL")")
+  model_args+=(-p model_path:="$(realpath "$MODEL")")
   run_model=(--model "$MODEL")
 fi
 
@@ -58,11 +60,13 @@ echo "== starting the memory node (log: $out/node.log)"
   --params-file config/deltas.yaml -p reliable_qos:=true "${model_args[@]}" \
   > "$out/node.log" 2>&1 &
 node=$!
-dash=
+dash=  # the dashboard's and demo_poses.py's process ids, with --dashboard
 trap 'kill -INT $node $dash 2>/dev/null || true; wait $node $dash 2>/dev/null || true' EXIT
 if $dashboard; then
-  "$cli" dashboard --port "${DASHBOARD_PORT:-8080}" > "$out/dashboard.log" 2>&1 &
+  .venv/bin/python scripts/demo_poses.py > "$out/poses.log" 2>&1 &
   dash=$!
+  "$cli" dashboard --port "${DASHBOARD_PORT:-8080}" > "$out/dashboard.log" 2>&1 &
+  dash="$dash $!"
   echo "== dashboard: http://127.0.0.1:${DASHBOARD_PORT:-8080}/ (log: $out/dashboard.log)"
 fi
 
