@@ -6,7 +6,7 @@
 
 Headless Chromium (Debian's chromium and chromium-driver, which scripts/setup.sh installs)
 opens the page, asks the question in the ask box and, once the answer's evidence is lit on the
-timeline and the map, hovers the first evidence point on the map (its picture and time) and
+timeline and the map, hovers the last evidence point on the map (its picture and time) and
 saves the page; --map-out also saves the map with that hover alone.
 """
 
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("out", help="PNG file to write")
     parser.add_argument("--map-out", help="PNG file for the map section alone")
     parser.add_argument("--url", default="http://127.0.0.1:8080/")
-    parser.add_argument("--size", default="1200,1250", help="window width,height in pixels")
+    parser.add_argument("--size", default="1200,900", help="window width,height in pixels")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per wait")
     args = parser.parse_args()
     options = webdriver.ChromeOptions()
@@ -52,7 +52,7 @@ def main() -> None:
         wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#evidence.has-evidence")))
         lit = browser.find_elements(By.CSS_SELECTOR, "#map .pt.evidence")
         if lit:
-            ActionChains(browser).move_to_element(lit[0]).perform()
+            ActionChains(browser).move_to_element(lit[-1]).perform()
             wait.until(lambda b: b.find_element(By.ID, "maptip").is_displayed())
         browser.save_screenshot(args.out)
         if args.map_out:

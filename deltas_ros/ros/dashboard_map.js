@@ -133,11 +133,13 @@ function showTip(target, event) {
                line(`x=${p.x.toFixed(2)} y=${p.y.toFixed(2)} yaw=` +
                     `${(yaw(p) * 180 / Math.PI).toFixed(0)}° in ${p.frame_id}`));
   }
-  tip.style.display = "block";  // beside the pointer, inside the window
-  tip.style.left = Math.max(Math.min(event.clientX + 14,
-                                     window.innerWidth - tip.offsetWidth - 4), 0) + "px";
-  tip.style.top = Math.max(Math.min(event.clientY + 14,
-                                    window.innerHeight - tip.offsetHeight - 4), 0) + "px";
+  tip.style.display = "block";  // beside the pointer, on the side with room for it
+  const right = event.clientX + 14 + tip.offsetWidth < window.innerWidth;
+  const below = event.clientY + 14 + tip.offsetHeight < window.innerHeight;
+  tip.style.left = Math.max(right ? event.clientX + 14 : event.clientX - 14 - tip.offsetWidth,
+                            0) + "px";
+  tip.style.top = Math.max(below ? event.clientY + 14 : event.clientY - 14 - tip.offsetHeight,
+                           0) + "px";
 }
 
 const map = document.getElementById("map");
