@@ -19,6 +19,7 @@ import sys
 import rclpy
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 
+from ..runtime.resources import limit_malloc_arenas
 from .node import EXECUTOR_THREADS, SHUTDOWN_S, MemoryNode
 
 _signalled: list[int] = []
@@ -34,6 +35,7 @@ def _on_signal(signum: int, frame: object) -> None:
 def main(args: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
+    limit_malloc_arenas()  # before rclpy's and our threads: cleanup then gives the model back
     rclpy.init(args=args)
     # Before the node: a signal during start-up shuts the context down, after which no executor
     # can be made (it once failed with "the given context is not valid").
