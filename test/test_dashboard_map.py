@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.request
 from pathlib import Path
 
 import cv2
@@ -84,6 +85,26 @@ def test_the_map_knows_the_memory_image_tiles():
     found = re.search(r"TILE_W = (\d+), TILE_H = (\d+) \+ (\d+), TILE_GAP = (\d+);",
                       MAP_JS.read_text())
     assert found and tuple(map(int, found.groups())) == (THUMB_W, THUMB_H, LABEL_H, GAP)
+
+
+def test_the_page_comes_whole_and_the_image_with_its_stamp():
+    """The page's scripts are inlined (a script URL would need the token); /memory.jpg says
+    after which chunk it was drawn, spelled as /state's held stamp."""
+    state = DashboardState()
+    state.set_image(strip_jpeg([0.0, 1.0]), STAMP0 + 1.25)
+    server = DashboardHttp(state, "127.0.0.1", 0, token="t")
+    url = f"http://127.0.0.1:{server.start()}"
+    try:
+        with urllib.request.urlopen(f"{url}/?token=t", timeout=10) as response:
+            page = response.read().decode()
+        with urllib.request.urlopen(f"{url}/memory.jpg?token=t", timeout=10) as response:
+            stamp = response.headers["X-Memory-Stamp"]
+    finally:
+        server.stop()
+    assert "<script src=" not in page
+    assert all(name in page for name in ("function drawMap", "function healthTiles",
+                                         "new EventSource"))
+    assert float(stamp) == STAMP0 + 1.25
 
 
 @pytest.mark.slow
