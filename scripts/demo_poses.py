@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import signal
 import time
 
 import rclpy
@@ -46,8 +45,7 @@ def main() -> None:
     parser.add_argument("--camera", default="/camera/image_raw")
     parser.add_argument("--odom", default="/odom")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: rclpy.try_shutdown())
-    rclpy.init()
+    rclpy.init()  # its signal handlers: Ctrl-C and SIGTERM shut the context down
     node = Node("demo_poses")
     publisher = node.create_publisher(Odometry, args.odom, 50)
     first: list[float] = []  # the stream's first stamp (seconds); reset when time runs back
@@ -61,9 +59,10 @@ def main() -> None:
     try:
         while rclpy.ok() and node.count_subscribers(args.camera) < 1:
             time.sleep(0.02)
-        node.create_subscription(Image, args.camera, on_frame, qos_profile_sensor_data)
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
+        if rclpy.ok():
+            node.create_subscription(Image, args.camera, on_frame, qos_profile_sensor_data)
+            rclpy.spin(node)
+    except ExternalShutdownException:
         pass
     finally:
         node.destroy_node()
