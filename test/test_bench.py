@@ -22,6 +22,7 @@ from bench import (
     end_to_end,
     engine_overhead,
     ingest,
+    memory_view,
     node_path,
     real_size,
     retention,
@@ -111,6 +112,15 @@ def test_node_path(tmp_path):
     assert results["signal_ms"] > 0 and results["evict_ms_per_event"] > 0
     assert results["flatness_of"] == "rss_bytes" and [s["chunk"] for s in results["samples"]] \
         == [3, 7, 11]
+
+
+def test_memory_view(tmp_path):
+    memory_view.main(["--held", "5", "80", "--rounds", "3", "--out", str(tmp_path)])
+    rows = written(tmp_path, "memory_view")["rows"]
+    assert [r["held"] for r in rows] == [5, 80]
+    assert all(r["image_ms"] > 0 and r["chunks_ms"] > 0 and r["markers_ms"] > 0 for r in rows)
+    # DELETEALL, arrows (at most 64), labels (at most 12), the path, 3 evidence arrows + labels
+    assert [r["marker_count"] for r in rows] == [1 + 5 + 5 + 1 + 6, 1 + 64 + 12 + 1 + 6]
 
 
 def test_real_size_smoke_runs_both_dtypes_on_the_cpu(tmp_path):

@@ -18,8 +18,10 @@ from deltas_ros.ros.markers import (
     BUCKET_EVEN,
     BUCKET_ODD,
     EVIDENCE,
+    MAX_ARROWS,
     MAX_LABELS,
     RECENT,
+    ChunkMarkers,
     Evidence,
     MemoryMarkers,
     memory_markers,
@@ -90,7 +92,38 @@ def test_labels_every_chunk_of_a_small_memory_and_at_most_a_few_of_a_large_one()
     ids = [m.id for m in large]
     assert ids[0] == 0 and ids[-1] == 199 and ids == sorted(ids)
     gaps = [b - a for a, b in zip(ids, ids[1:])]
-    assert max(gaps) - min(gaps) <= 1  # evenly spaced
+    assert max(gaps) <= 2 * min(gaps)  # spread over the memory
+
+
+def test_a_large_memory_gets_a_bounded_spread_of_arrows_and_the_path_through_them():
+    held = [posed(i) for i in range(1000)]
+    array = memory_markers(held)
+    ids = [m.id for m in of(array, "chunks")]
+    assert len(ids) == MAX_ARROWS and ids[0] == 0 and ids[-1] == 999
+    gaps = [b - a for a, b in zip(ids, ids[1:])]
+    assert max(gaps) <= 2 * min(gaps)
+    assert [p.x for p in of(array, "path")[0].points] == [float(i) for i in ids]
+
+
+def test_kept_chunk_markers_stay_spread_recoloured_and_follow_a_reset():
+    """As the node uses it: one ChunkMarkers across messages. A chunk drawn before is drawn
+    again while held, by the same marker, in its current bucket's colour; the newest joins;
+    evicted chunks go; a reused index at another pose (a reset) gets a marker there."""
+    kept = ChunkMarkers(most_arrows=10, most_labels=4)
+    first = of(memory_markers([posed(i, 0) for i in range(50)], chunks=kept), "chunks")
+    later = [posed(i, 1 if i < 60 else -1) for i in range(5, 61)]  # 0-4 evicted, 60 new
+    second = of(memory_markers(later, chunks=kept), "chunks")
+    assert len(second) == 10 and second[0].id == 5 and second[-1].id == 60
+    before = {m.id: m for m in first}
+    kept_ids = [m.id for m in second if m.id in before]
+    assert len(kept_ids) >= 7  # stable: most of the old choice stays
+    assert all(m is before[m.id] for m in second if m.id in before)
+    colours = {m.id: m.color for m in second}
+    assert colours[kept_ids[1]] == rgba(BUCKET_ODD) and colours[60] == rgba(RECENT)
+    assert set(kept.built["arrow"]) <= {(h.index, h.time) for h in later}
+    moved = HeldChunk(5, 5.5, 10, 0, Pose("map", (-1.0, -1.0, 0.0)))
+    (arrow,) = of(memory_markers([moved], chunks=kept), "chunks")
+    assert (arrow.pose.position.x, arrow.pose.position.y) == (-1.0, -1.0)
 
 
 def test_the_path_runs_through_the_held_poses_oldest_first_one_strip_per_frame():
