@@ -1,4 +1,5 @@
-"""`deltas-ros ask`: a planner's question to a running memory node, from the command line.
+"""`deltas-ros ask`: a planner's question to a running memory node, or to every one on the
+graph (`--all`), from the command line.
 
 The same few lines a planner would write in Python: a client for `<node>/ask_memory`, one
 request, wait for the response.
@@ -9,11 +10,14 @@ from __future__ import annotations
 import time
 
 import rclpy
+from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray
+from geometry_msgs.msg import PoseStamped
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
 from ..srv import AskMemory
+from .fleet import RobotAnswer, ask_fleet, discover
 
 
 def ask(question: str, node_name: str = "/deltas_memory", max_new_tokens: int = 0,
@@ -47,6 +51,21 @@ def ask(question: str, node_name: str = "/deltas_memory", max_new_tokens: int = 
         rclpy.try_shutdown(context=context)
 
 
+def fleet_answers(question: str, max_new_tokens: int, timeout_s: float,
+                  discovery_s: float) -> list[RobotAnswer]:
+    """Every memory node on the graph asked at once (`fleet.ask_fleet`) from a node of our own,
+    after listening `discovery_s` for them; `timeout_s` bounds the questions."""
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = Node("deltas_ask_all", context=context)
+    try:
+        services = discover(node, discovery_s)
+        return ask_fleet(node, question, timeout_s, max_new_tokens, services=services)
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+
+
 def _wait_until_idle(node: Node, executor: SingleThreadedExecutor, name: str,
                      deadline: float) -> None:
     """Until a diagnostics status of node `name` reports queue_depth 0 (twice in a row)."""
@@ -66,6 +85,20 @@ def _wait_until_idle(node: Node, executor: SingleThreadedExecutor, name: str,
             executor.spin_once(timeout_sec=0.2)
     finally:
         node.destroy_subscription(subscription)
+
+
+def evidence_goal(response: AskMemory.Response) -> PoseStamped | None:
+    """Where the answer's strongest evidence was seen, as a navigation goal (RViz's goal tool
+    and nav2 take it on `/goal_pose`): the first evidence pose that is known, stamped zero so
+    that a navigator transforms it with its newest transform (the chunk's own stamp may lie
+    before its tf buffer). None when the question failed or no evidence pose is known."""
+    if not response.success:
+        return None
+    for pose in response.evidence_poses:
+        if pose.header.frame_id:
+            return PoseStamped(header=type(pose.header)(frame_id=pose.header.frame_id,
+                                                        stamp=Time()), pose=pose.pose)
+    return None
 
 
 def format_response(response: AskMemory.Response) -> str:

@@ -27,22 +27,10 @@ from .dashboard_access import check_bind, read_token
 from .dashboard_body import Question
 from .dashboard_http import DashboardHttp
 from .dashboard_state import DashboardState
+from .plain import pose_dict, seconds
 
 ASK_TIMEOUT_S = 120.0
 POLL_S = 0.25  # how soon a question notices that its browser left
-
-
-def seconds(stamp: Any) -> float:
-    return stamp.sec + stamp.nanosec * 1e-9
-
-
-def pose_dict(pose: Any) -> dict | None:
-    """The pose as plain numbers; None when unknown (the messages' empty frame_id)."""
-    if not pose.header.frame_id:
-        return None
-    p, q = pose.pose.position, pose.pose.orientation
-    return {"frame_id": pose.header.frame_id, "x": p.x, "y": p.y, "z": p.z,
-            "qx": q.x, "qy": q.y, "qz": q.z, "qw": q.w}
 
 
 def chunk_dict(msg: DriftScore) -> dict:

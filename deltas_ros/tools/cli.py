@@ -15,8 +15,8 @@
                     [--pixel-budget N] [--frame 640x480] [--device auto] [--dtype auto]
                     [--available-gib G] [--json | --markdown]
     deltas-ros plot RESULTS [RESULTS ...] [--out plot.png]
-    deltas-ros ask "question" [--node /deltas_memory] [--max-new-tokens N] [--timeout 120]
-                   [--wait-idle]
+    deltas-ros ask "question" [--node /deltas_memory | --all [--json] [--discovery 3]]
+                   [--max-new-tokens N] [--timeout 120] [--wait-idle]
     deltas-ros train [--config config/train_tiny.yaml] [--out out/train] [--resume]
                      [--device cpu|cuda] [--seed N] [--max-minutes M] [--max-steps N]
 """
@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..core.config import MemoryConfig, StreamConfig
+
+DEFAULT_NODE = "/deltas_memory"
 
 
 def make_model_command(args: argparse.Namespace) -> int:
@@ -174,7 +176,11 @@ def plot_command(args: argparse.Namespace) -> int:
 
 
 def ask_command(args: argparse.Namespace) -> int:
-    """Ask a running memory node a question (its ~/ask_memory service)."""
+    """Ask a running memory node a question (its ~/ask_memory service), or every one (--all)."""
+    if args.all:
+        return ask_all(args)
+    if args.json:
+        raise ValueError("--json goes with --all")
     from ..ros.ask_client import ask, format_response
 
     try:
@@ -184,6 +190,25 @@ def ask_command(args: argparse.Namespace) -> int:
         raise RuntimeError(str(error)) from error
     print(format_response(response))
     return 0 if response.success else 1
+
+
+def ask_all(args: argparse.Namespace) -> int:
+    """Every memory node on the graph at once, under one timeout; 0 when all answered."""
+    import json
+
+    from ..ros.ask_client import fleet_answers
+    from ..ros.fleet import format_fleet, robot_dict
+
+    if args.discovery < 0:
+        raise ValueError("--discovery must be >= 0 seconds")
+    if args.node != DEFAULT_NODE or args.wait_idle:
+        raise ValueError("--all asks every memory node: it takes neither --node nor --wait-idle")
+    answers = fleet_answers(args.question, args.max_new_tokens, args.timeout, args.discovery)
+    if not answers:
+        raise RuntimeError("no memory node on the graph (no AskMemory service found)")
+    print(json.dumps([robot_dict(a) for a in answers], indent=2) if args.json
+          else format_fleet(answers))
+    return 0 if all(a.answered for a in answers) else 1
 
 
 def dashboard_command(args: argparse.Namespace) -> int:
@@ -339,15 +364,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     ask = commands.add_parser("ask", help=ask_command.__doc__)
     ask.add_argument("question")
-    ask.add_argument("--node", default="/deltas_memory", help="the memory node's name")
+    ask.add_argument("--node", default=DEFAULT_NODE, help="the memory node's name")
+    ask.add_argument("--all", action="store_true",
+                     help="ask every memory node on the graph (every namespace) at once")
+    ask.add_argument("--json", action="store_true", help="with --all: one object per robot")
+    # 3 s: Fast DDS repeats a participant's announcement every 3 s after its first burst.
+    ask.add_argument("--discovery", type=float, default=3.0,
+                     help="with --all: seconds to listen for memory nodes first "
+                          "(default: %(default)s)")
     ask.add_argument("--max-new-tokens", type=int, default=0, help="0 = the node's default")
-    ask.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
+    ask.add_argument("--timeout", type=float, default=120.0,
+                     help="seconds to wait (with --all: for every robot together)")
     ask.add_argument("--wait-idle", action="store_true",
                      help="first wait until no chunk is waiting for the model")
     ask.set_defaults(run=ask_command)
 
     dash = commands.add_parser("dashboard", help=dashboard_command.__doc__)
-    dash.add_argument("--node", default="/deltas_memory", help="the memory node's name")
+    dash.add_argument("--node", default=DEFAULT_NODE, help="the memory node's name")
     dash.add_argument("--host", default="127.0.0.1",
                       help="address to bind; anything but loopback requires a token")
     dash.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free one)")
