@@ -75,7 +75,7 @@ def render_bounded(render: Callable[[], str], timeout_s: float | None = None) ->
 
     Why a process: jinja2's sandbox bounds neither loops nor output (a template looping
     99999 x 99999 times kept configure busy for good), and a thread cannot be stopped. Why a
-    fork: the child has the loaded tokenizer and transformers already, so nothing is imported
+    fork: the child has the loaded tokenizer and its libraries already, so nothing is imported
     or read again (milliseconds); it runs only the template, on objects no other thread uses
     during configure, so the locks a fork may copy held are not taken (and the time bound
     holds regardless)."""

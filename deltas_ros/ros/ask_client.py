@@ -7,6 +7,7 @@ request, wait for the response.
 
 from __future__ import annotations
 
+import json
 import time
 
 import rclpy
@@ -17,7 +18,7 @@ from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
 from ..srv import AskMemory
-from .fleet import RobotAnswer, ask_fleet, discover
+from .fleet import RobotAnswer, ask_fleet, discover, format_fleet, robot_dict
 
 
 def ask(question: str, node_name: str = "/deltas_memory", max_new_tokens: int = 0,
@@ -64,6 +65,13 @@ def fleet_answers(question: str, max_new_tokens: int, timeout_s: float,
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)
+
+
+def fleet_report(answers: list[RobotAnswer], as_json: bool) -> str:
+    """The fleet's answers for a person (a line a robot) or as JSON (an object a robot)."""
+    if as_json:
+        return json.dumps([robot_dict(a) for a in answers], indent=2)
+    return format_fleet(answers)
 
 
 def _wait_until_idle(node: Node, executor: SingleThreadedExecutor, name: str,

@@ -194,10 +194,7 @@ def ask_command(args: argparse.Namespace) -> int:
 
 def ask_all(args: argparse.Namespace) -> int:
     """Every memory node on the graph at once, under one timeout; 0 when all answered."""
-    import json
-
-    from ..ros.ask_client import fleet_answers
-    from ..ros.fleet import format_fleet, robot_dict
+    from ..ros.ask_client import fleet_answers, fleet_report
 
     if args.discovery < 0:
         raise ValueError("--discovery must be >= 0 seconds")
@@ -206,8 +203,7 @@ def ask_all(args: argparse.Namespace) -> int:
     answers = fleet_answers(args.question, args.max_new_tokens, args.timeout, args.discovery)
     if not answers:
         raise RuntimeError("no memory node on the graph (no AskMemory service found)")
-    print(json.dumps([robot_dict(a) for a in answers], indent=2) if args.json
-          else format_fleet(answers))
+    print(fleet_report(answers, args.json))
     return 0 if all(a.answered for a in answers) else 1
 
 
