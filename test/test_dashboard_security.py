@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -373,3 +375,32 @@ def test_a_token_on_the_command_line_works_with_a_warning(ros_env):
     finally:
         err = stop_dashboard(process)
     assert "warning: --token is readable by every user" in err and "--token-file" in err
+
+
+@pytest.mark.ros
+@pytest.mark.slow
+def test_a_port_in_use_is_a_one_line_error(ros_env):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        done = subprocess.run([sys.executable, "-m", "deltas_ros.tools.cli", "dashboard",
+                               "--port", str(taken.getsockname()[1])], env=ros_env,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert done.returncode == 2, done.stderr
+    assert "cannot serve on 127.0.0.1" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("encoding, step", [("mono8", 4), ("rgba8", 16), ("rgb8", 6)])
+def test_a_memory_image_the_dashboard_cannot_read_is_refused_not_raised_into_the_node(
+        encoding, step):
+    from sensor_msgs.msg import Image
+
+    from deltas_ros.ros.dashboard import jpeg_of
+
+    with pytest.raises(ValueError):  # the node's callback logs it and keeps the last strip
+        jpeg_of(Image(height=2, width=4, encoding=encoding, step=step, data=bytes(2 * step)))
+    good = Image(height=2, width=4, encoding="rgb8", step=12, data=bytes(24))
+    assert jpeg_of(good)[:2] == b"\xff\xd8"

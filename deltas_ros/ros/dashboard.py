@@ -58,10 +58,14 @@ def result_dict(result: Any) -> dict:
 
 
 def jpeg_of(msg: Image) -> bytes:
-    """The memory strip as JPEG (cv2 imported here: only the dashboard pays for it)."""
+    """The memory strip as JPEG (cv2 imported here: only the dashboard pays for it);
+    ValueError for what the memory node does not publish (not rgb8/bgr8, or data that does not
+    fill the header's shape)."""
     import cv2
     import numpy as np
 
+    if msg.encoding not in ("rgb8", "bgr8") or msg.step < msg.width * 3:
+        raise ValueError(f"a {msg.encoding} image of step {msg.step} for width {msg.width}")
     rgb = np.frombuffer(bytes(msg.data), np.uint8).reshape(msg.height, msg.step)
     rgb = rgb[:, :msg.width * 3].reshape(msg.height, msg.width, 3)
     if msg.encoding == "rgb8":
@@ -88,12 +92,18 @@ class DashboardNode(Node):
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.create_subscription(Image, f"{self.memory_node}/memory_image",
-                                 lambda m: self.state.set_image(jpeg_of(m),
-                                                                seconds(m.header.stamp)),
-                                 latched)
+                                 self._on_image, latched)
         self.create_subscription(MemoryChunks, f"{self.memory_node}/memory_chunks",
                                  lambda m: self.state.set_held(held_dict(m)), latched)
         self.ask_client = ActionClient(self, AskMemory, f"{self.memory_node}/ask")
+
+    def _on_image(self, msg: Image) -> None:
+        """The strip re-encoded; one the dashboard cannot read keeps the last one shown."""
+        try:
+            self.state.set_image(jpeg_of(msg), seconds(msg.header.stamp))
+        except ValueError as error:
+            self.get_logger().warn(f"memory image not shown: {error}",
+                                   throttle_duration_sec=10.0)
 
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
         name = self.memory_node.rsplit("/", 1)[-1]
@@ -170,7 +180,13 @@ def serve(memory_node: str, host: str, port: int, token: str = "", token_file: s
     server = DashboardHttp(node.state, host, port, token, node.ask, node.cancel, allow_hosts)
     executor = MultiThreadedExecutor(num_threads=4)
     executor.add_node(node)
-    bound = server.start()
+    try:
+        bound = server.start()
+    except OSError as error:  # the port is taken, the address is not this machine's, ...
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
+        raise RuntimeError(f"cannot serve on {host}:{port}: {error.strerror or error}") from None
     shown = f"[{host}]" if ":" in host else host
     print(f"dashboard: http://{shown}:{bound}/" + ("?token=..." if token else ""), flush=True)
     try:
