@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 # Bytes one batched evidence forward may hold at its peak (`evidence_rows`): about one copy of
-# the K/V at 9B and M = 8192 in bf16, what the evidence search's copy per candidate used to take.
+# the K/V at 9B and M = 8192 in bf16, what a search that copies the cache holds per candidate.
 EVIDENCE_BATCH_BYTES = 512 << 20
 
 

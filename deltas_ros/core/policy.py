@@ -6,7 +6,7 @@ the per-token score differs (the paper's controlled comparison, Table 2):
     keep = sinks (first n_s slots) + window (last n_w slots)
            + per temporal bucket of the rest, the highest-scored slots up to an equal share.
 
-Decisions the paper leaves open (see deltas-spec.md):
+Decisions the paper leaves open, taken here (as docs/method.md, Eviction, states them):
 - Buckets are N equal spans of *stream time* (chunk arrival time), not of slot count.
 - Each bucket's share is (M - n_s - n_w) // N; the remainder goes to the newest buckets.
 - Ties go to the newer chunk (then the later slot).
