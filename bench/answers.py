@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,7 @@ from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import SceneStream
 
 from .common import add_answers_args, finish, md_table, run_answers
-from .retention import PIXEL_DIFF, PixelDiffPolicy, pixel_difference
+from .retention import PIXEL_DIFF, stream_into
 
 FULL, STATE = "full", "state"
 # The scene options of config/train_tiny.yaml's last stage.
@@ -95,14 +94,7 @@ def stream_questions(events: list[dict], seed: int) -> list[tuple[QA, list[float
 def run_condition(loaded: LoadedModel, chunks: list, qas: list[QA], config: MemoryConfig,
                   pixel_diff: bool) -> list[tuple[QA, str, list[float]]]:
     memory = StreamingMemory(loaded, config)
-    baseline = PixelDiffPolicy()
-    if pixel_diff:
-        memory.policy = baseline
-    previous = None
-    for frames, times in chunks:
-        baseline.next_score = pixel_difference(frames, previous)
-        previous = frames
-        memory.add_chunk(frames, times)
+    stream_into(memory, chunks, pixel_diff)
     asked = [memory.ask(qa.question) for qa in qas]
     return [(qa, a.text, a.evidence_times) for qa, a in zip(qas, asked)]
 
@@ -273,9 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cost", action="store_true",
                         help="also time a chunk: this model vs the tiny random test model")
     add_answers_args(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    results, records, loaded = run_answers("answers", args, argv, evaluate)
+    args, results, records, loaded = run_answers("answers", parser, argv, evaluate)
     if args.cost and loaded is not None:
         from .common import bench_model
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +32,15 @@ import torch
 
 from deltas_ros.core.chunks import ChunkBuilder
 from deltas_ros.core.config import DEFAULT_PIXEL_BUDGET
-from deltas_ros.core.memory import MemoryConfig, StreamingMemory
-from deltas_ros.training.synth import synth_stream
+from deltas_ros.core.memory import StreamingMemory
 
 from .common import (
     add_model_args,
-    add_out_arg,
-    bench_model,
-    describe_model,
+    add_stream_args,
     finish,
     md_table,
-    start_results,
+    start_stream_run,
+    synthetic_chunks,
     verdict,
 )
 
@@ -78,30 +75,14 @@ def default_budget_positions(memory: StreamingMemory, stream_s: float) -> int:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
-    parser.add_argument("--chunks", type=int, default=3600, help="chunks (1 s of video each)")
-    parser.add_argument("--budget", type=int, default=256, help="KV budget M (tokens)")
-    parser.add_argument("--window", type=int, default=64, help="recent window (tokens)")
-    parser.add_argument("--pixel-budget", type=int, default=64 * 64)
-    parser.add_argument("--width", type=int, default=160)
-    parser.add_argument("--height", type=int, default=120)
+    add_stream_args(parser, chunks=3600, chunks_help="chunks (1 s of video each)", budget=256,
+                    window=64, pixel_budget=64 * 64, width=160, height=120)
     parser.add_argument("--sample-every", type=int, default=60, help="chunks between samples")
-    add_out_arg(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-
-    results = start_results("bounded_memory", argv)
-    loaded = bench_model(args)
-    memory = StreamingMemory(loaded, MemoryConfig(
-        budget_tokens=args.budget, window_tokens=args.window, pixel_budget=args.pixel_budget))
-    frames, _ = synth_stream(float(args.chunks), 2.0, args.width, args.height, args.seed)
+    args, results, memory = start_stream_run("bounded_memory", parser, argv)
     first_position = memory.next_position
-    samples, start, max_kv, pending = [], None, 0, []
-    for time_s, frame in frames:
-        pending.append((time_s, frame))
-        if len(pending) < 2:
-            continue
-        result = memory.add_chunk([f for _, f in pending], [t for t, _ in pending])
-        pending = []
+    samples, start, max_kv = [], None, 0
+    for frames, times in synthetic_chunks(args):
+        result = memory.add_chunk(frames, times)
         max_kv = max(max_kv, result.kv_tokens)
         if start is None and result.evicted_tokens:
             start = sample(memory, result.index)
@@ -116,9 +97,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     default_rate = default_budget_positions(memory, float(args.chunks))
     compact_at = stats.max_positions - memory.config.compact_margin
     results |= {
-        "model": describe_model(loaded), "chunks": args.chunks, "budget": args.budget,
-        "window": args.window, "pixel_budget": args.pixel_budget,
-        "frame_size": [args.width, args.height],
         "max_kv_tokens": max_kv, "start": start, "end": end, "samples": samples,
         "rss_growth": end["rss_bytes"] / start["rss_bytes"] - 1,
         "memory_bytes_max": max(s["memory_bytes"] for s in samples),

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -94,34 +94,61 @@ def parse_setting(text: str) -> tuple[int, int]:
     return objects, seconds
 
 
+class BusyStream(NamedTuple):
+    """One held-out busy stream, streamed whole into its memory."""
+
+    objects: int
+    seconds: int
+    seed: int
+    scene: SceneStream
+    memory: StreamingMemory
+    started: float  # perf_counter before the stream was made
+
+    @property
+    def setting(self) -> str:
+        return f"{self.objects}:{self.seconds}"
+
+    def log(self, detail: str = "") -> None:
+        """The stream's progress line: which stream, `detail`, the seconds it took."""
+        print(f"{self.objects} objects {self.seconds} s seed {self.seed}{detail} "
+              f"({time.perf_counter() - self.started:.1f} s)", flush=True)
+
+
+def busy_streams(args: argparse.Namespace, loaded: LoadedModel,
+                 config: MemoryConfig) -> Iterator[BusyStream]:
+    """Each of --streams held-out busy streams per --settings OBJECTS:SECONDS, streamed chunk by
+    chunk into a fresh memory of `config` (made as it is asked for: one at a time in memory)."""
+    for objects, seconds in map(parse_setting, args.settings):
+        options = replace(BUSY, objects=(objects, objects))
+        for seed in range(args.first_seed, args.first_seed + args.streams):
+            if seed >= VALIDATION_SEEDS:
+                raise ValueError("evaluation seeds must stay below the validation seeds")
+            started = time.perf_counter()
+            scene = SceneStream(seconds, args.width, args.height, seed, options)
+            memory = StreamingMemory(loaded, config)
+            for frames, times in sampled_chunks(scene):
+                memory.add_chunk(frames, times)
+            yield BusyStream(objects, seconds, seed, scene, memory, started)
+
+
 def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
     pixel_budget = resolve_pixel_budget(args.pixel_budget, loaded.path)
     config = MemoryConfig(budget_tokens=10**8, pixel_budget=pixel_budget,
                           max_new_tokens=args.max_new_tokens, evidence_candidates=0)
     with records_path.open("a") as out:
-        for objects, seconds in map(parse_setting, args.settings):
-            options = replace(BUSY, objects=(objects, objects))
-            for seed in range(args.first_seed, args.first_seed + args.streams):
-                if seed >= VALIDATION_SEEDS:
-                    raise ValueError("evaluation seeds must stay below the validation seeds")
-                started = time.perf_counter()
-                scene = SceneStream(seconds, args.width, args.height, seed, options)
-                memory = StreamingMemory(loaded, config)
-                for frames, times in sampled_chunks(scene):
-                    memory.add_chunk(frames, times)
-                asked = busy_questions(scene.events(), seed)
-                right = 0
-                for kind, qa in asked:
-                    text = memory.ask(qa.question).text
-                    correct = is_correct(qa, text)
-                    right += correct
-                    out.write(json.dumps({
-                        "setting": f"{objects}:{seconds}", "seed": seed, "kind": kind,
-                        "question": qa.question, "truth": qa.answer, "answer": text,
-                        "correct": correct}) + "\n")
-                out.flush()
-                print(f"{objects} objects {seconds} s seed {seed}: {right}/{len(asked)} "
-                      f"({time.perf_counter() - started:.1f} s)", flush=True)
+        for stream in busy_streams(args, loaded, config):
+            asked = busy_questions(stream.scene.events(), stream.seed)
+            right = 0
+            for kind, qa in asked:
+                text = stream.memory.ask(qa.question).text
+                correct = is_correct(qa, text)
+                right += correct
+                out.write(json.dumps({
+                    "setting": stream.setting, "seed": stream.seed, "kind": kind,
+                    "question": qa.question, "truth": qa.answer, "answer": text,
+                    "correct": correct}) + "\n")
+            out.flush()
+            stream.log(f": {right}/{len(asked)}")
 
 
 def aggregate(records: list[dict]) -> dict[str, dict[str, list[int]]]:
@@ -158,9 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="OBJECTS:SECONDS per setting")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     add_answers_args(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    results, records, _ = run_answers("busy", args, argv, evaluate)
+    args, results, records, _ = run_answers("busy", parser, argv, evaluate)
     table = aggregate(records)
     results["table"] = table
     title = (f"The busy world with full memory: {Path(results['model']).name} on held-out busy "

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -166,9 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         choices=list(POLICY_NAMES))
     parser.add_argument("--max-new-tokens", type=int, default=48)
     add_answers_args(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    results, records, _ = run_answers("busy_misses", args, argv, evaluate)
+    args, results, records, _ = run_answers("busy_misses", parser, argv, evaluate)
     results["fraction"] = args.fraction
     title = f"Objects lost in the busy world at {100 * args.fraction:g} % of the tokens"
     return finish(args.out, results, title, report(records))

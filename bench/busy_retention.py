@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -302,9 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-new-tokens", type=int, default=48,
                         help="long enough for a busy answer naming every object of a shape")
     add_answers_args(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    results, records, _ = run_answers("busy_retention", args, argv, evaluate)
+    args, results, records, _ = run_answers("busy_retention", parser, argv, evaluate)
     table = aggregate(records)
     results["table"] = table
     title = (f"Retention in the busy world: {Path(results['model']).name}, {args.objects} "

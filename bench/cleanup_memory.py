@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import REPO, add_out_arg, finish, isolate_ros, md_table, start_results
+from bench.common import REPO, finish, isolate_ros, md_table, parse, start_results
 from deltas_ros.runtime import params
 from deltas_ros.runtime.resources import memory_in_use
 from deltas_ros.runtime.session import Session
@@ -189,9 +189,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--pixel-budget", type=int, default=4096)
     parser.add_argument("--node", action="store_true",
                         help="the installed memory_node over its lifecycle services")
-    add_out_arg(parser)
-    args = parser.parse_args(argv)
-    results = start_results("cleanup_memory", sys.argv[1:] if argv is None else argv)
+    args, argv = parse(parser, argv)
+    results = start_results("cleanup_memory", argv)
     if args.node:
         results["benchmark"] = "cleanup_memory_node"  # its own result files
         return node_main(args, results)

@@ -17,10 +17,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from deltas_ros.core.maker import (
     make_tokenizer,
     tiny_config,
 )
+
+if TYPE_CHECKING:
+    from deltas_ros.core.memory import StreamingMemory
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / "results"
@@ -87,6 +90,42 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_stream_args(parser: argparse.ArgumentParser, chunks: int, chunks_help: str, budget: int,
+                    window: int, pixel_budget: int, width: int, height: int,
+                    pixel_help: str | None = None) -> None:
+    """The options of a benchmark that streams synthetic chunks through one memory: the stream's
+    length and frame size, the memory's budget, window and pixel budget (defaults per benchmark).
+    """
+    parser.add_argument("--chunks", type=int, default=chunks, help=chunks_help)
+    parser.add_argument("--budget", type=int, default=budget, help="KV budget M (tokens)")
+    parser.add_argument("--window", type=int, default=window, help="recent window (tokens)")
+    parser.add_argument("--pixel-budget", type=int, default=pixel_budget, help=pixel_help)
+    parser.add_argument("--width", type=int, default=width)
+    parser.add_argument("--height", type=int, default=height)
+
+
+def stream_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The add_stream_args options as the results record them."""
+    return {"chunks": args.chunks, "budget": args.budget, "window": args.window,
+            "pixel_budget": args.pixel_budget, "frame_size": [args.width, args.height]}
+
+
+def synthetic_chunks(args: argparse.Namespace,
+                     ) -> Iterator[tuple[list[np.ndarray], list[float]]]:
+    """--chunks seconds of synth_stream (2 fps, --width x --height, --seed) as chunks of two
+    frames, one a second: (frames, times), drawn as the stream goes, so that a long stream is
+    never held whole."""
+    from deltas_ros.training.synth import synth_stream  # as in start_stream_run
+
+    stream, _ = synth_stream(float(args.chunks), 2.0, args.width, args.height, args.seed)
+    pending: list[tuple[float, np.ndarray]] = []
+    for time_s, frame in stream:
+        pending.append((time_s, frame))
+        if len(pending) == 2:
+            yield [f for _, f in pending], [t for t, _ in pending]
+            pending = []
 
 
 def bench_model(args: argparse.Namespace) -> LoadedModel:
@@ -153,6 +192,15 @@ def isolate_ros() -> None:
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 
 
+def start_ros_run(name: str, parser: argparse.ArgumentParser, argv: list[str] | None,
+                  ) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Parse the options, then start the results of a benchmark over ROS: in a DDS domain of
+    its own (isolate_ros), with the middleware it runs on (ros_setup)."""
+    args, argv = parse(parser, argv)
+    isolate_ros()
+    return args, start_results(name, argv) | {"ros": ros_setup()}
+
+
 def ros_setup() -> dict[str, str]:
     """What decides how frames travel: the middleware and Fast DDS's transports."""
     from rclpy.utilities import get_rmw_implementation_identifier
@@ -163,10 +211,28 @@ def ros_setup() -> dict[str, str]:
             "domain_id": os.environ.get("ROS_DOMAIN_ID", "0")}
 
 
-def start_camera(*args: str) -> subprocess.Popen:
-    """bench.camera_pub in its own process (see its --help)."""
-    return subprocess.Popen([sys.executable, "-m", "bench.camera_pub", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def add_camera_args(parser: argparse.ArgumentParser, seconds_help: str | None = None) -> None:
+    """The options stream_camera reads: the stream's length, rate and frame size."""
+    parser.add_argument("--seconds", type=float, default=30.0, help=seconds_help)
+    parser.add_argument("--fps", type=float, default=30.0)
+    parser.add_argument("--width", type=int, default=1280)
+    parser.add_argument("--height", type=int, default=720)
+
+
+def stream_camera(args: argparse.Namespace, topic: str, encoding: str,
+                  *more: str) -> dict[str, Any]:
+    """bench.camera_pub in its own process (see its --help), publishing --seconds of --width x
+    --height frames at --fps on `topic` (more: its further options); waited for, its one-line
+    JSON summary."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.camera_pub", "--topic", topic, "--encoding", encoding,
+         "--fps", str(args.fps), "--seconds", str(args.seconds), "--width", str(args.width),
+         "--height", str(args.height), *more],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = process.communicate(timeout=args.seconds + 120)
+    if process.returncode:
+        raise RuntimeError(f"camera process failed ({process.returncode}): {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def stop_process(process: subprocess.Popen) -> str:
@@ -181,23 +247,41 @@ def stop_process(process: subprocess.Popen) -> str:
     return err
 
 
-def camera_summary(process: subprocess.Popen, timeout: float) -> dict[str, Any]:
-    """Wait for the camera process; its one-line JSON summary."""
-    out, err = process.communicate(timeout=timeout)
-    if process.returncode:
-        raise RuntimeError(f"camera process failed ({process.returncode}): {err[-2000:]}")
-    return json.loads(out.strip().splitlines()[-1])
-
-
 # ------------------------------------------------------------------------------------ results
 def add_out_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None,
+          ) -> tuple[argparse.Namespace, list[str]]:
+    """--out added last, then the options parsed from argv (default: the command line); argv
+    too, for the command the results record."""
+    add_out_arg(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    return parser.parse_args(argv), argv
 
 
 def start_results(name: str, argv: list[str]) -> dict[str, Any]:
     """The results of bench.<name> run with argv: filled in by the script, written by finish."""
     return {"benchmark": name, "command": command(f"bench.{name}", argv), "machine": machine(),
             "_started": time.perf_counter()}
+
+
+def start_stream_run(name: str, parser: argparse.ArgumentParser, argv: list[str] | None,
+                     ) -> tuple[argparse.Namespace, dict[str, Any], StreamingMemory]:
+    """Parse the options (add_model_args, add_stream_args), start the results with the model
+    (bench_model) and the stream's settings: (options, results so far, a memory of the model at
+    the run's --budget, --window and --pixel-budget)."""
+    # Imported here, not with this module: bench.cleanup_memory counts the modules a session
+    # imports after its own imports (bench.common among them).
+    from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+
+    args, argv = parse(parser, argv)
+    results = start_results(name, argv)
+    loaded = bench_model(args)
+    results |= {"model": describe_model(loaded), **stream_settings(args)}
+    return args, results, StreamingMemory(loaded, MemoryConfig(
+        budget_tokens=args.budget, window_tokens=args.window, pixel_budget=args.pixel_budget))
 
 
 def finish(out_dir: Path, results: dict[str, Any], title: str, body: str) -> dict[str, Any]:
@@ -225,14 +309,15 @@ def add_answers_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", type=Path, help="answers file (JSON lines) to append to")
     parser.add_argument("--report", type=Path, nargs="+",
                         help="only report these answers files (merged)")
-    add_out_arg(parser)
 
 
-def run_answers(name: str, args: argparse.Namespace, argv: list[str],
+def run_answers(name: str, parser: argparse.ArgumentParser, argv: list[str] | None,
                 evaluate: Callable[[argparse.Namespace, LoadedModel, Path], None],
-                ) -> tuple[dict[str, Any], list[dict], LoadedModel | None]:
-    """Answer the benchmark's questions into `--records` (unless `--report` names answers files
-    to read instead), then read every answer back: (results so far, answers, the model)."""
+                ) -> tuple[argparse.Namespace, dict[str, Any], list[dict], LoadedModel | None]:
+    """Parse the options (add_answers_args last), answer the benchmark's questions into
+    `--records` (unless `--report` names answers files to read instead), then read every answer
+    back: (options, results so far, answers, the model)."""
+    args, argv = parse(parser, argv)
     torch.set_num_threads(args.threads)
     results = start_results(name, argv)
     model_path = resolve_model_path(args.model)
@@ -244,7 +329,7 @@ def run_answers(name: str, args: argparse.Namespace, argv: list[str],
         evaluate(args, loaded, files[0])
     records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
     results |= {"model": str(model_path), "answers_files": [str(f) for f in files]}
-    return results, records, loaded
+    return args, results, records, loaded
 
 
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -42,17 +42,14 @@ from deltas_ros.training.synth import NS_PER_S
 
 from .common import (
     REPO,
-    add_out_arg,
-    camera_summary,
+    add_camera_args,
     finish,
-    isolate_ros,
     md_table,
     median,
     percentile,
-    ros_setup,
-    start_camera,
-    start_results,
+    start_ros_run,
     stop_process,
+    stream_camera,
 )
 from .dashboard_page import DashboardPage
 
@@ -148,10 +145,7 @@ def run(model_dir: Path, args: argparse.Namespace, log: Path,
             dashboard = DashboardPage()
             dash_cpu0 = cpu_seconds(dashboard.pid)
         cpu0, wall0 = cpu_seconds(node.pid), time.monotonic()
-        camera = start_camera("--topic", TOPIC, "--encoding", "rgb8", "--fps", str(args.fps),
-                              "--seconds", str(args.seconds), "--width", str(args.width),
-                              "--height", str(args.height), "--log", str(log))
-        published = camera_summary(camera, timeout=args.seconds + 120)
+        published = stream_camera(args, TOPIC, "rgb8", "--log", str(log))
         expected = int(args.seconds / CHUNK_S)
         try:
             listener.wait(lambda: len(listener.arrivals) >= expected, 60, "the last chunks")
@@ -260,25 +254,17 @@ def report(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="model directory (default: a tiny one)")
-    parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--fps", type=float, default=30.0)
-    parser.add_argument("--width", type=int, default=1280)
-    parser.add_argument("--height", type=int, default=720)
+    add_camera_args(parser)
     parser.add_argument("--budget", type=int, default=1536, help="KV budget M (tokens)")
     parser.add_argument("--window", type=int, default=512, help="recent window (tokens)")
     parser.add_argument("--pixel-budget", type=int, default=320 * 320)
     parser.add_argument("--dashboard", action="store_true",
                         help="run the stream twice: the node alone, then with `deltas-ros "
                              "dashboard` and one page open on it (end_to_end_dashboard.*)")
-    add_out_arg(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-
-    isolate_ros()
-    results = start_results("end_to_end", argv)
+    args, results = start_ros_run("end_to_end", parser, argv)
     if args.dashboard:
         results["benchmark"] = "end_to_end_dashboard"  # its own files, beside end_to_end's
-    results |= {"ros": ros_setup(), "fps": args.fps, "seconds": args.seconds,
+    results |= {"fps": args.fps, "seconds": args.seconds,
                 "size": [args.width, args.height], "budget": args.budget,
                 "window": args.window, "pixel_budget": args.pixel_budget}
     with tempfile.TemporaryDirectory() as scratch:

@@ -34,7 +34,6 @@ on this machine, not a GPU figure.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -55,13 +54,13 @@ from deltas_ros.training.synth import synth_stream
 from .common import (
     NINE_B_CONFIG,
     add_model_args,
-    add_out_arg,
     bench_model,
     describe_model,
     finish,
     md_table,
     median,
     now,
+    parse,
     percent,
     start_results,
     verdict,
@@ -439,9 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="config whose sizes the synthetic-tensor check uses")
     parser.add_argument("--micro-budget", type=int, default=8192)
     parser.add_argument("--micro-reps", type=int, default=10)
-    add_out_arg(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args, argv = parse(parser, argv)
     if "deltas" not in args.policies:
         parser.error("--policies must include deltas (the targets are about it)")
     if args.micro_budget < MICRO_SINKS + MICRO_WINDOW:

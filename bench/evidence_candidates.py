@@ -36,8 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,11 +44,9 @@ from deltas_ros.core.asking import leave_one_out_batched
 from deltas_ros.core.loader import LoadedModel, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.training.questions import identities_of, objects_of
-from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
-from deltas_ros.training.scenes import BUSY, SceneStream
 
 from .answers import EVIDENCE_SLACK_S, wilson
-from .busy import ask_about, busy_questions, parse_setting
+from .busy import ask_about, busy_questions, busy_streams
 from .common import add_answers_args, finish, md_table, run_answers
 
 KS = (1, 2, 4, 8, 16)
@@ -67,37 +63,28 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                         evidence_chunks=args.full, evidence_candidates=args.full)
     mass = replace(full, evidence_candidates=0)
     with records_path.open("a") as out:
-        for objects, seconds in map(parse_setting, args.settings):
-            options = replace(BUSY, objects=(objects, objects))
-            for seed in range(args.first_seed, args.first_seed + args.streams):
-                if seed >= VALIDATION_SEEDS:
-                    raise ValueError("evaluation seeds must stay below the validation seeds")
-                started = time.perf_counter()
-                scene = SceneStream(seconds, args.width, args.height, seed, options)
-                memory = StreamingMemory(loaded, full)
-                for frames, times in sampled_chunks(scene):
-                    memory.add_chunk(frames, times)
-                events = scene.events()
-                spans = shown_spans(events)
-                for kind, qa in busy_questions(events, seed):
-                    memory.config = full
-                    searched = memory.ask(qa.question)
-                    memory.config = mass
-                    attended = memory.ask(qa.question)
-                    drops = search_drops(memory, qa.question, searched.text,
-                                         attended.evidence_times)
-                    out.write(json.dumps({
-                        "setting": f"{objects}:{seconds}", "seed": seed, "kind": kind,
-                        "question": qa.question, "answer": searched.text,
-                        "same_answer": searched.text == attended.text,
-                        "truncated": searched.truncated,
-                        "search_ms": searched.latency_ms - attended.latency_ms,
-                        "searched": searched.evidence_times,
-                        "attended": attended.evidence_times, "drops": drops,
-                        "shown": spans.get(qa.question, [])}) + "\n")
-                out.flush()
-                print(f"{objects} objects {seconds} s seed {seed} "
-                      f"({time.perf_counter() - started:.1f} s)", flush=True)
+        for stream in busy_streams(args, loaded, full):
+            memory = stream.memory
+            events = stream.scene.events()
+            spans = shown_spans(events)
+            for kind, qa in busy_questions(events, stream.seed):
+                memory.config = full
+                searched = memory.ask(qa.question)
+                memory.config = mass
+                attended = memory.ask(qa.question)
+                drops = search_drops(memory, qa.question, searched.text,
+                                     attended.evidence_times)
+                out.write(json.dumps({
+                    "setting": stream.setting, "seed": stream.seed, "kind": kind,
+                    "question": qa.question, "answer": searched.text,
+                    "same_answer": searched.text == attended.text,
+                    "truncated": searched.truncated,
+                    "search_ms": searched.latency_ms - attended.latency_ms,
+                    "searched": searched.evidence_times,
+                    "attended": attended.evidence_times, "drops": drops,
+                    "shown": spans.get(qa.question, [])}) + "\n")
+            out.flush()
+            stream.log()
 
 
 def shown_spans(events: list[dict]) -> dict[str, list[list[float]]]:
@@ -232,9 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ks", type=int, nargs="+", default=list(KS))
     parser.add_argument("--max-new-tokens", type=int, default=48)
     add_answers_args(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    results, records, _ = run_answers("evidence_candidates", args, argv, evaluate)
+    args, results, records, _ = run_answers("evidence_candidates", parser, argv, evaluate)
     body, summary = report(records, sorted({*args.ks, args.full}), args.full)
     results |= summary
     title = "Evidence candidates: the attention's first k against the full leave-one-out search"

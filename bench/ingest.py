@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -72,16 +71,13 @@ from deltas_ros.ros.node import EXECUTOR_THREADS
 
 from .camera_pub import frame_bank
 from .common import (
-    add_out_arg,
-    camera_summary,
+    add_camera_args,
     finish,
-    isolate_ros,
     md_table,
     median,
     percentile,
-    ros_setup,
-    start_camera,
-    start_results,
+    start_ros_run,
+    stream_camera,
     verdict,
 )
 
@@ -258,10 +254,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         time.sleep(args.idle)
         idle_percent = 100 * (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-        publisher = start_camera("--topic", TOPICS[encoding], "--encoding", encoding,
-                                 "--fps", str(args.fps), "--seconds", str(args.seconds),
-                                 "--width", str(args.width), "--height", str(args.height))
-        published = camera_summary(publisher, timeout=args.seconds + 120)
+        published = stream_camera(args, TOPICS[encoding], encoding)
         # The camera exits once every frame is acknowledged; callbacks may still be due. A frame
         # that never comes is reported (received < published), not fatal.
         deadline = time.monotonic() + 30.0
@@ -400,10 +393,7 @@ def report(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="stream length per input")
-    parser.add_argument("--fps", type=float, default=30.0)
-    parser.add_argument("--width", type=int, default=1280)
-    parser.add_argument("--height", type=int, default=720)
+    add_camera_args(parser, seconds_help="stream length per input")
     parser.add_argument("--idle", type=float, default=3.0, help="idle baseline seconds")
     parser.add_argument("--inputs", nargs="+", default=DEFAULT_INPUTS,
                         choices=[f"{e}/{x}{p}" for e in TOPICS for x in EXECUTORS
@@ -411,13 +401,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  if x != "camera" or p == "/raw"],
                         help="encoding/executor[/path] (path: deserialize, the default, or "
                         "raw), measured one after the other")
-    add_out_arg(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-
-    isolate_ros()
-    results = start_results("ingest", argv)
-    results |= {"ros": ros_setup(), "fps": args.fps, "seconds": args.seconds,
+    args, results = start_ros_run("ingest", parser, argv)
+    results |= {"fps": args.fps, "seconds": args.seconds,
                 "size": [args.width, args.height]}
     results["inputs"] = {name: measure(name, args) for name in args.inputs}
     title = (f"Ingest: {args.width}x{args.height} at {args.fps:g} fps over DDS, the node's "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from typing import Any
 
@@ -33,7 +32,7 @@ from deltas_ros.ros.markers import ChunkMarkers, Evidence, memory_markers
 from deltas_ros.ros.memory_io import chunks_message, image_message
 from deltas_ros.runtime.image import MemoryImage
 
-from .common import add_out_arg, finish, md_table, median, start_results
+from .common import finish, md_table, median, parse, start_results
 
 
 def poses(count: int) -> list[Pose]:
@@ -98,9 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="numbers of held chunks (84: M = 8192 at 98 tokens a chunk)")
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--thumbnails", type=int, default=24)
-    add_out_arg(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args, argv = parse(parser, argv)
     results = start_results("memory_view", argv)
     rows = [measure(count, args.rounds, args.thumbnails) for count in args.held]
     results |= {"rounds": args.rounds, "thumbnails": args.thumbnails, "rows": rows}

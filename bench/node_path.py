@@ -18,26 +18,23 @@ and the largest peak after the first eviction / the first window's peak - 1.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
 import torch
 
-from deltas_ros.core.memory import MemoryConfig, StreamingMemory
-from deltas_ros.training.synth import synth_stream
+from deltas_ros.core.memory import StreamingMemory
 
 from .bounded_memory import rss_bytes
 from .common import (
     add_model_args,
-    add_out_arg,
-    bench_model,
-    describe_model,
+    add_stream_args,
     finish,
     md_table,
     median,
     percentile,
-    start_results,
+    start_stream_run,
+    synthetic_chunks,
     verdict,
 )
 
@@ -58,32 +55,16 @@ def sample(memory: StreamingMemory, chunk: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
-    parser.add_argument("--chunks", type=int, default=400, help="chunks (1 s of video each)")
-    parser.add_argument("--budget", type=int, default=8192, help="KV budget M (tokens)")
-    parser.add_argument("--window", type=int, default=1024, help="recent window (tokens)")
-    parser.add_argument("--pixel-budget", type=int, default=320 * 320)
-    parser.add_argument("--width", type=int, default=640)
-    parser.add_argument("--height", type=int, default=480)
+    add_stream_args(parser, chunks=400, chunks_help="chunks (1 s of video each)", budget=8192,
+                    window=1024, pixel_budget=320 * 320, width=640, height=480)
     parser.add_argument("--ask-every", type=int, default=50, help="chunks between questions")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--sample-every", type=int, default=20, help="chunks between samples")
-    add_out_arg(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-
-    results = start_results("node_path", argv)
-    loaded = bench_model(args)
-    cuda = loaded.device.type == "cuda"
-    memory = StreamingMemory(loaded, MemoryConfig(
-        budget_tokens=args.budget, window_tokens=args.window, pixel_budget=args.pixel_budget))
-    frames, _ = synth_stream(float(args.chunks), 2.0, args.width, args.height, args.seed)
-    chunks, questions, samples, start, pending = [], [], [], None, []
-    for time_s, frame in frames:
-        pending.append((time_s, frame))
-        if len(pending) < 2:
-            continue
-        result = memory.add_chunk([f for _, f in pending], [t for t, _ in pending])
-        pending = []
+    args, results, memory = start_stream_run("node_path", parser, argv)
+    cuda = memory.device.type == "cuda"
+    chunks, questions, samples, start = [], [], [], None
+    for frames, times in synthetic_chunks(args):
+        result = memory.add_chunk(frames, times)
         chunks.append(result)
         if start is None and result.evicted_tokens:
             start = sample(memory, result.index)
@@ -101,9 +82,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     after = [s for s in samples if s["chunk"] > start["chunk"]] or samples[-1:]
     key = "cuda_allocated_bytes" if cuda else "rss_bytes"
     results |= {
-        "model": describe_model(loaded), "chunks": args.chunks, "budget": args.budget,
-        "window": args.window, "pixel_budget": args.pixel_budget,
-        "frame_size": [args.width, args.height],
         "forward_ms": median([r.forward_ms for r in chunks]),
         "signal_ms": median([r.signal_ms for r in chunks]),
         "signal_ms_p99": percentile([r.signal_ms for r in chunks], 99),

@@ -50,14 +50,16 @@ from deltas_ros.core.signals import state_surprise
 
 from .bounded_memory import rss_bytes
 from .common import (
-    add_out_arg,
+    add_stream_args,
     bench_model,
     describe_model,
     finish,
     md_table,
     median,
+    parse,
     percent,
     start_results,
+    stream_settings,
     verdict,
 )
 from .engine_overhead import (
@@ -255,13 +257,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chunks", type=int, default=140, help="chunks (1 s of video each)")
-    parser.add_argument("--budget", type=int, default=8192, help="KV budget M (tokens)")
-    parser.add_argument("--window", type=int, default=1024, help="recent window (tokens)")
-    parser.add_argument("--pixel-budget", type=int, default=320 * 320,
-                        help="pixels a frame (320x320: ~100 visual tokens a chunk)")
-    parser.add_argument("--width", type=int, default=640)
-    parser.add_argument("--height", type=int, default=480)
+    add_stream_args(parser, chunks=140, chunks_help="chunks (1 s of video each)", budget=8192,
+                    window=1024, pixel_budget=320 * 320, width=640, height=480,
+                    pixel_help="pixels a frame (320x320: ~100 visual tokens a chunk)")
     parser.add_argument("--sample-every", type=int, default=10, help="chunks between samples")
     parser.add_argument("--questions", type=int, default=2, help="question rounds (0: none)")
     parser.add_argument("--candidates", type=int, default=32, help="evidence candidates")
@@ -274,16 +272,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="eviction events the stream must reach")
     parser.add_argument("--smoke", action="store_true",
                         help="the tiny model and a few chunks: seconds, for CI")
-    add_out_arg(parser)
     argv = sys.argv[1:] if argv is None else argv
     if "--smoke" in argv:
         parser.set_defaults(**SMOKE)
-    args = parser.parse_args(argv)
+    args, argv = parse(parser, argv)
 
     results = start_results("real_size", argv)
-    results |= {"config": args.config, "chunks": args.chunks, "budget": args.budget,
-                "window": args.window, "pixel_budget": args.pixel_budget,
-                "frame_size": [args.width, args.height], "question": QUESTION,
+    results |= {"config": args.config, **stream_settings(args), "question": QUESTION,
                 "batch_bytes": EVIDENCE_BATCH_BYTES, "min_events": args.min_events,
                 "dtypes": {dtype: run_dtype(args, dtype) for dtype in args.dtypes}}
     results["checks"] = checks(results)

@@ -22,7 +22,6 @@ selection, the buckets and budget behave), not the paper's claim that DeltaS kee
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 import numpy as np
@@ -35,11 +34,11 @@ from deltas_ros.training.synth import synth_stream
 
 from .common import (
     add_model_args,
-    add_out_arg,
     bench_model,
     describe_model,
     finish,
     md_table,
+    parse,
     percent,
     start_results,
 )
@@ -67,6 +66,20 @@ def pixel_difference(frames: list[np.ndarray], previous: list[np.ndarray] | None
                           for a, b in zip(frames, previous)]))
 
 
+def stream_into(memory: StreamingMemory, chunks: list[tuple[list, list[float]]],
+                pixel_diff: bool) -> None:
+    """Add the chunks to memory; with pixel_diff under the pixel-difference baseline, whose
+    score is set before each chunk."""
+    baseline = PixelDiffPolicy()
+    if pixel_diff:
+        memory.policy = baseline
+    previous = None
+    for frames, times in chunks:
+        baseline.next_score = pixel_difference(frames, previous)
+        previous = frames
+        memory.add_chunk(frames, times)
+
+
 def event_chunks(events: list[dict], chunk_times: list[list[float]]) -> set[int]:
     """Chunks with a frame showing an event: an object on screen, or the first view of a cut."""
     found: set[int] = set()
@@ -87,14 +100,7 @@ def run_stream(loaded: LoadedModel, policy: str, chunks: list[tuple[list, list[f
     memory = StreamingMemory(loaded, MemoryConfig(
         budget_tokens=budget, window_tokens=args.window, pixel_budget=args.pixel_budget,
         policy="deltas" if policy == PIXEL_DIFF else policy, seed=args.seed))
-    baseline = PixelDiffPolicy()
-    if policy == PIXEL_DIFF:
-        memory.policy = baseline
-    previous = None
-    for frames, times in chunks:
-        baseline.next_score = pixel_difference(frames, previous)
-        previous = frames
-        memory.add_chunk(frames, times)
+    stream_into(memory, chunks, policy == PIXEL_DIFF)
     return set(memory.stats().retained_chunks)
 
 
@@ -112,9 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--height", type=int, default=192)
     parser.add_argument("--policies", nargs="+", default=[*POLICY_NAMES, PIXEL_DIFF],
                         choices=[*POLICY_NAMES, PIXEL_DIFF])
-    add_out_arg(parser)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args, argv = parse(parser, argv)
 
     results = start_results("retention", argv)
     loaded = bench_model(args)
