@@ -66,7 +66,7 @@ from .common import (
     verdict,
 )
 
-# The paper's Qwen3.5-9B on one GPU (deltas-spec.md), and the physical floor on an H200.
+# The paper's own figures for Qwen3.5-9B on one GPU, and the physical floor on an H200.
 PAPER = {"forward_ms": 107.0, "signal_ms": 2.07, "evict_ms": 6.4, "write_strength_ms": 206.1,
          "infinipot_v_ms": 15.4}
 DRIFT_POLICIES = ("deltas", "deltas_surprise")  # their signal includes the engine's drift
