@@ -9,6 +9,7 @@ does.
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import threading
@@ -17,6 +18,37 @@ import urllib.request
 from collections import Counter
 
 from .common import REPO, stop_process
+
+
+def dashboard_url(process: subprocess.Popen, timeout: float = 120.0) -> str:
+    """The URL `deltas-ros dashboard` prints once it serves (text-mode stdout). Lines before it
+    are skipped: Jazzy's Fast DDS prints its transport errors (a shared-memory port it could
+    not lock) on stdout. RuntimeError, the process killed, when none comes within `timeout`."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:  # till the process's end of output, or its pipe closed by a stop
+        try:
+            for line in process.stdout:
+                lines.put(line)
+        except (ValueError, OSError):
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            if process.poll() is not None and lines.empty():
+                break
+            continue
+        if line.startswith("dashboard: http://"):
+            return line.split()[-1].rstrip("/")
+        seen.append(line)
+    process.kill()
+    _, err = process.communicate(timeout=30)
+    raise RuntimeError(f"the dashboard printed no URL: {''.join(seen[-5:])}{err[-2000:]}")
 
 
 class DashboardPage:
@@ -28,11 +60,7 @@ class DashboardPage:
             [sys.executable, "-m", "deltas_ros.tools.cli", "dashboard", "--node", node,
              "--port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
-        line = self.process.stdout.readline()
-        if not line.startswith("dashboard: http://"):
-            self.process.kill()
-            raise RuntimeError(f"the dashboard did not start: {line}{self.process.stderr.read()}")
-        self.url = line.split()[-1].rstrip("/")
+        self.url = dashboard_url(self.process, ready_timeout)
         self.pid = self.process.pid
         self._wait_for_health(ready_timeout)
         self.events: Counter[str] = Counter()

@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from bench.dashboard_page import dashboard_url
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -118,9 +120,9 @@ def dashboard_process(ros_env: dict, *args: str, **env: str) -> subprocess.Popen
 
 
 def served_port(process: subprocess.Popen) -> int:
-    line = process.stdout.readline()
-    assert line.startswith("dashboard: http://127.0.0.1:"), (line, process.stderr.read())
-    return urlsplit(line.split()[-1]).port
+    url = dashboard_url(process)
+    assert url.startswith("http://127.0.0.1:"), url
+    return urlsplit(url).port
 
 
 def stop_dashboard(process: subprocess.Popen) -> str:

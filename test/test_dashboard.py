@@ -25,6 +25,7 @@ from engine_helpers import wait_until
 from geometry_msgs.msg import PoseStamped
 from ros_helpers import BASE_STAMP, SMALL, Tester, node_command, stamp_msg, start, stop
 
+from bench.dashboard_page import dashboard_url
 from deltas_ros.ros.dashboard_access import check_bind
 from deltas_ros.ros.dashboard_http import DashboardHttp
 from deltas_ros.ros.dashboard_limits import Limits
@@ -148,7 +149,7 @@ def live(tiny_model_dir, ros_domain):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tester = Tester()
     try:
-        url = dash.stdout.readline().split()[-1].rstrip("/")
+        url = dashboard_url(dash)
         assert url.startswith("http://127.0.0.1:"), url
         tester.wait_ready(node)
         wait_matched(url, tester, "/deltas_memory")
@@ -297,7 +298,7 @@ def test_a_page_closed_mid_answer_leaves_the_dashboard_serving(ros_env):
     quick = json.dumps({"question": "quick"}).encode()
     flood: list = []
     try:
-        url = dash.stdout.readline().split()[-1].rstrip("/")
+        url = dashboard_url(dash)
         # Until the dashboard has discovered the action (each try waits up to 5 s for it).
         assert wait_until(lambda: sse_result(get(f"{url}/ask", data=quick)[1].decode())
                           ["success"], 120)
@@ -376,9 +377,8 @@ def test_the_launched_dashboard_sees_a_namespaced_node(namespace, tiny_model_dir
     name = f"/{namespace}/deltas_memory" if namespace else "/deltas_memory"
     tester = Tester(namespace=name)
     try:
-        line = dash.stdout.readline()
-        assert line.startswith("dashboard: http://127.0.0.1:"), (line, dash.stderr.read())
-        url = line.split()[-1].rstrip("/")
+        url = dashboard_url(dash)
+        assert url.startswith("http://127.0.0.1:"), url
         tester.wait_ready(node)
         wait_matched(url, tester, name)
         tester.stream(3.0)
