@@ -226,3 +226,13 @@ def test_no_goal_without_a_known_evidence_pose():
 def test_ask_refuses_options_that_do_not_go_together(argv, capsys):
     assert cli.main(["ask", QUESTION, *argv]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_what_the_middleware_prints_meanwhile_stays_off_stdout(capfd):
+    from deltas_ros.ros.ask_client import stdout_to_stderr
+
+    with stdout_to_stderr():
+        os.write(1, b"RTPS_TRANSPORT_SHM Error\n")
+    print("[]", flush=True)
+    out, err = capfd.readouterr()
+    assert out == "[]\n" and "RTPS_TRANSPORT_SHM Error" in err

@@ -8,7 +8,11 @@ request, wait for the response.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import rclpy
 from builtin_interfaces.msg import Time
@@ -55,16 +59,34 @@ def ask(question: str, node_name: str = "/deltas_memory", max_new_tokens: int = 
 def fleet_answers(question: str, max_new_tokens: int, timeout_s: float,
                   discovery_s: float) -> list[RobotAnswer]:
     """Every memory node on the graph asked at once (`fleet.ask_fleet`) from a node of our own,
-    after listening `discovery_s` for them; `timeout_s` bounds the questions."""
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = Node("deltas_ask_all", context=context)
+    after listening `discovery_s` for them; `timeout_s` bounds the questions. What the
+    middleware prints meanwhile goes to stderr (`stdout_to_stderr`)."""
+    with stdout_to_stderr():
+        context = rclpy.Context()
+        rclpy.init(context=context)
+        node = Node("deltas_ask_all", context=context)
+        try:
+            services = discover(node, discovery_s)
+            return ask_fleet(node, question, timeout_s, max_new_tokens, services=services)
+        finally:
+            node.destroy_node()
+            rclpy.try_shutdown(context=context)
+
+
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """File descriptor 1 on stderr meanwhile: Jazzy's Fast DDS prints its transport errors (a
+    shared-memory port it could not lock) on stdout, where they would come before the JSON
+    of `ask --all --json`."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
     try:
-        services = discover(node, discovery_s)
-        return ask_fleet(node, question, timeout_s, max_new_tokens, services=services)
+        yield
     finally:
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def fleet_report(answers: list[RobotAnswer], as_json: bool) -> str:
