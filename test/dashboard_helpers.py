@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from ros_helpers import stop
 
 from bench.dashboard_page import dashboard_url
 
@@ -126,13 +128,8 @@ def served_port(process: subprocess.Popen) -> int:
 
 
 def stop_dashboard(process: subprocess.Popen) -> str:
-    process.terminate()
-    try:
-        _, err = process.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, err = process.communicate()
-    return err
+    """SIGTERM, as a launch file stops it; its stderr."""
+    return stop(process, signal.SIGTERM)[1]
 
 
 def chromium():
