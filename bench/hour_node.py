@@ -57,6 +57,7 @@ from deltas_ros.training.questions import QA, TEMPLATES, answer_for, is_correct
 from deltas_ros.training.scenes import BUSY, SceneStream
 
 from .common import (
+    DEFAULT_OUT,
     REPO,
     add_out_arg,
     finish,
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         args.seconds, args.speed, args.budget_share = 120.0, 8.0, 0.2
         args.question_every, args.objects = 30.0, 8
-    out = args.out / "hour_node" if args.out == add_out_default() else args.out
+    out = args.out / "hour_node" if args.out == DEFAULT_OUT else args.out  # a folder of its own
     out.mkdir(parents=True, exist_ok=True)
 
     isolate_ros()
@@ -478,13 +479,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return finish(out, results, f"An hour through the node: {args.seconds / 60:.1f} min of "
                   f"busy stream at {args.speed:g}x, M = {100 * args.budget_share:g} % of its "
                   "tokens, the shipped model", report(results["run"], args))
-
-
-def add_out_default() -> Path:
-    """--out's default (bench/results): this benchmark writes into its own folder under it."""
-    parser = argparse.ArgumentParser()
-    add_out_arg(parser)
-    return parser.parse_args([]).out
 
 
 if __name__ == "__main__":
