@@ -211,6 +211,17 @@ def ros_setup() -> dict[str, str]:
             "domain_id": os.environ.get("ROS_DOMAIN_ID", "0")}
 
 
+def memory_node_command(overrides: dict[str, Any]) -> list[str]:
+    """The memory node as launch/deltas.launch.py runs it (its parameters file), plus
+    `overrides` (parameter: value)."""
+    command = [str(Path(sys.prefix) / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
+               "-r", "__node:=deltas_memory",
+               "--params-file", str(REPO / "config" / "deltas.yaml")]
+    for key, value in overrides.items():
+        command += ["-p", f"{key}:={value}"]
+    return command
+
+
 def add_camera_args(parser: argparse.ArgumentParser, seconds_help: str | None = None) -> None:
     """The options stream_camera reads: the stream's length, rate and frame size."""
     parser.add_argument("--seconds", type=float, default=30.0, help=seconds_help)

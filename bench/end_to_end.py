@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,11 +40,11 @@ from deltas_ros.ros.node import NOT_READY
 from deltas_ros.training.synth import NS_PER_S
 
 from .common import (
-    REPO,
     add_camera_args,
     finish,
     md_table,
     median,
+    memory_node_command,
     percentile,
     start_ros_run,
     stop_process,
@@ -65,12 +64,7 @@ def node_command(model_dir: Path, args: argparse.Namespace) -> list[str]:
     overrides = {"model_path": model_dir, "image_topic": TOPIC, "use_sim_time": "false",
                  "reliable_qos": "true", "device": "cpu", "budget_tokens": args.budget,
                  "window_tokens": args.window, "pixel_budget": args.pixel_budget}
-    command = [str(Path(sys.prefix) / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
-               "-r", "__node:=deltas_memory",
-               "--params-file", str(REPO / "config" / "deltas.yaml")]
-    for key, value in overrides.items():
-        command += ["-p", f"{key}:={value}"]
-    return command
+    return memory_node_command(overrides)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -58,12 +58,12 @@ from deltas_ros.training.scenes import BUSY, SceneStream
 
 from .common import (
     DEFAULT_OUT,
-    REPO,
     add_out_arg,
     finish,
     isolate_ros,
     md_table,
     median,
+    memory_node_command,
     percentile,
     ros_setup,
     start_results,
@@ -86,17 +86,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
-
-
-def node_command(overrides: dict[str, Any]) -> list[str]:
-    """The command launch/deltas.launch.py runs (the shipped model: no model_path), plus
-    `overrides`."""
-    command = [str(Path(sys.prefix) / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
-               "-r", "__node:=deltas_memory",
-               "--params-file", str(REPO / "config" / "deltas.yaml")]
-    for key, value in overrides.items():
-        command += ["-p", f"{key}:={value}"]
-    return command
 
 
 class Camera:
@@ -191,8 +180,8 @@ def wait(predicate, timeout: float) -> bool:
 def start_node(overrides: dict[str, Any], log: Path) -> subprocess.Popen:
     """The node, its output to `log` (an hour of log lines would fill a pipe and stall it)."""
     with log.open("w") as out:
-        return subprocess.Popen(node_command(overrides), stdout=out, stderr=subprocess.STDOUT,
-                                text=True)
+        return subprocess.Popen(memory_node_command(overrides), stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
 
 
 def question_about(scene: SceneStream, start: float, end: float) -> dict[str, Any]:
