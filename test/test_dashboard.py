@@ -229,15 +229,21 @@ def test_the_page_in_headless_chromium(live):
             "tokens held" in tip for tip in b.execute_script(TIPS)))
         # Health at a glance: one tile per concern, each with its level and reason.
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, '#tiles .tile[data-name="Memory"]'))
-        for tile in browser.find_elements(By.CSS_SELECTOR, "#tiles .tile"):
-            assert tile.get_attribute("class").split()[-1] in ("ok", "warn", "error")
-            assert tile.find_element(By.CSS_SELECTOR, ".why").text
+        # Read in one script: the tiles are redrawn at every diagnostics report (1 Hz), and an
+        # element found before a redraw is stale after it.
+        tiles = browser.execute_script(
+            "return [...document.querySelectorAll('#tiles .tile')].map("
+            "t => [t.className, (t.querySelector('.why') || {}).textContent || ''])")
+        assert tiles
+        for classes, why in tiles:
+            assert classes.split()[-1] in ("ok", "warn", "error") and why, (classes, why)
         # The map: a point per posed chunk; hovering the newest gives its time, clicking it
         # sets the question's window around it.
         wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#map circle.pt")) >= 3)
         assert "Frame odom" in browser.find_element(By.ID, "map-note").text
-        spelled = browser.find_elements(By.CSS_SELECTOR, "#map circle.pt")[-1] \
-            .get_attribute("data-t")
+        spelled = browser.execute_script(  # in one script: a chunk that arrives redraws the map
+            "const p = document.querySelectorAll('#map circle.pt');"
+            "return p[p.length - 1].getAttribute('data-t')")
         t = float(spelled)
         shown = browser.execute_script("return `t=${arguments[0].toFixed(2)} s`", t)
 
