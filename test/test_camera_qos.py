@@ -188,3 +188,26 @@ def test_a_best_effort_camera_and_a_reliable_node_are_reported_incompatible(
     assert code == 0, err[-3000:]
     assert "(reliable) in reliability" in line and "leave reliable_qos false" in line, line
     assert SILENT not in err
+
+
+def test_the_camera_thread_goes_on_when_its_subscription_is_replaced_under_its_wait(context):
+    """`follow` re-subscribes from the memory node's thread; Jazzy's rclpy then raised
+    InvalidHandle in the camera thread while it built its wait set (a CI run), which ended it.
+    The next wait is built without the old subscription: the thread goes on."""
+    from rclpy.impl.implementation_singleton import rclpy_implementation
+
+    camera = subscribe(Node("memory", context=context))
+    camera.stopping.set()
+    camera.thread.join()
+    camera.stopping.clear()
+    waits = []
+
+    def spin_once(timeout_sec: float) -> None:
+        waits.append(timeout_sec)
+        if len(waits) == 1:
+            raise rclpy_implementation.InvalidHandle("destruction was requested")
+        camera.stopping.set()
+
+    camera.executor.spin_once = spin_once
+    camera.spin()  # returns when stopped, not at the InvalidHandle
+    assert len(waits) == 2

@@ -296,6 +296,11 @@ class CameraSubscription:
                 self.executor.spin_once(timeout_sec=CAMERA_SPIN_S)
             except ExternalShutdownException:  # a signal shut the context down during a wait
                 return
+            except rclpy_implementation.InvalidHandle:
+                # The subscription was replaced (`follow` re-subscribes from the memory node's
+                # thread) while this wait set was being built: Jazzy's rclpy raises here, and
+                # the next wait is built without it.
+                continue
             except RuntimeError:  # RCLError: ... before a wait (no wait set on a dead context)
                 if self.node.context.ok():
                     raise
