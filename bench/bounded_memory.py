@@ -47,12 +47,12 @@ from .common import (
 MAX_RSS_GROWTH = 0.05
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process (VmRSS), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size (VmRSS) of a process, this one by default, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
 def sample(memory: StreamingMemory, chunk: int) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from deltas_ros.ros.node import NOT_READY
 from deltas_ros.training.questions import QA, TEMPLATES, answer_for, is_correct
 from deltas_ros.training.scenes import BUSY, SceneStream
 
+from .bounded_memory import rss_bytes
 from .common import (
     DEFAULT_OUT,
     add_out_arg,
@@ -79,13 +80,6 @@ ACCOUNTED = ("chunks_processed", "chunks_dropped", "chunks_discarded")
 READY_TIMEOUT_S = 180.0
 TIME_RATIO_MAX = 1.2
 RSS_GROWTH_MAX = 0.05
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 class Camera:
