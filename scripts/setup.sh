@@ -7,6 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
+# One set-up at a time per checkout (tests started side by side each run it first).
+exec 9> "${TMPDIR:-/tmp}/deltas-setup-$(echo "$root" | sha256sum | cut -c1-12).lock"
+flock 9
 distro=kilted
 case "${1-}" in
   --distro) distro=${2-} ;;
