@@ -1,0 +1,199 @@
+"""The second tier's store and recall scoring, without a model: budgets, spills, the drop rule,
+the writer falling behind, damaged files, and the fast scores against their reference."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltas_ros.core.poses import Pose
+from deltas_ros.core.recall import (
+    choose_recall,
+    key_summary,
+    merged_summary,
+    recall_scores,
+    recall_scores_reference,
+)
+from deltas_ros.core.tiers import DISK, HOST, TierPiece, TierStore
+
+LAYERS, HEADS, DIM = 2, 2, 4
+
+
+def piece(chunk: int, tokens: int = 3, score: float = 1.0, seed: int = 0) -> TierPiece:
+    g = torch.Generator().manual_seed(seed * 1000 + chunk)
+    keys = torch.randn(LAYERS, HEADS, tokens, DIM, generator=g)
+    return TierPiece(chunk, float(chunk), keys, -keys, torch.arange(3 * tokens).reshape(3, -1),
+                     torch.full((tokens,), score), stamp=100.0 + chunk,
+                     pose=Pose("map", (1.0, 2.0, float(chunk))))
+
+
+PIECE_BYTES = piece(0).nbytes
+
+
+@pytest.fixture
+def store_factory(tmp_path):
+    stores = []
+
+    def make(**kwargs) -> TierStore:
+        kwargs.setdefault("directory", tmp_path / "tiers")
+        stores.append(store := TierStore(**kwargs))
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+def test_pieces_stay_in_host_memory_within_its_budget(store_factory):
+    store = store_factory(host_bytes=10 * PIECE_BYTES)
+    for chunk in range(4):
+        store.put(piece(chunk))
+    assert store.flush(5.0)
+    index = store.index()
+    assert index.chunks == [0, 1, 2, 3] and index.tiers == [HOST] * 4
+    assert store.current_stats().host_bytes == 4 * PIECE_BYTES
+    back = store.load([2])[0]
+    assert torch.equal(back.keys, piece(2).keys) and back.pose == piece(2).pose
+
+
+def test_the_oldest_spill_to_disk_and_come_back_exactly(store_factory, tmp_path):
+    store = store_factory(host_bytes=2 * PIECE_BYTES, disk_bytes=10 * PIECE_BYTES)
+    for chunk in range(5):
+        store.put(piece(chunk))
+    assert store.flush(5.0)
+    index = store.index()
+    assert index.tiers == [DISK, DISK, DISK, HOST, HOST]
+    stats = store.current_stats()
+    assert (stats.host_chunks, stats.disk_chunks) == (2, 3)
+    assert stats.disk_bytes == 3 * PIECE_BYTES
+    assert len(list((tmp_path / "tiers").iterdir())) == 3
+    back = store.load([1])[0]
+    want = piece(1)
+    for name in ("keys", "values", "position", "score"):
+        assert torch.equal(getattr(back, name), getattr(want, name))
+    assert (back.chunk, back.time_s, back.stamp, back.pose) == (1, 1.0, 101.0, want.pose)
+
+
+def test_past_both_budgets_the_lowest_score_of_the_oldest_part_goes(store_factory):
+    store = store_factory(host_bytes=0, disk_bytes=8 * PIECE_BYTES)
+    scores = [5.0, 1.0, 3.0, 0.5, 4.0, 4.0, 4.0, 4.0]  # oldest quarter: chunks 0 and 1
+    for chunk, score in enumerate(scores):
+        store.put(piece(chunk, score=score))
+    store.put(piece(8, score=9.0))
+    assert store.flush(5.0)
+    assert 1 not in store.index().chunks and 3 in store.index().chunks  # 3 is not in the part
+    stats = store.current_stats()
+    assert stats.dropped_chunks == 1 and stats.disk_bytes <= 8 * PIECE_BYTES
+
+
+def test_without_a_disk_tier_the_oldest_host_chunk_is_dropped(store_factory):
+    store = store_factory(host_bytes=2 * PIECE_BYTES, directory=None)
+    for chunk in range(3):
+        store.put(piece(chunk))
+    assert store.flush(5.0)
+    assert store.index().chunks == [1, 2]
+    assert store.current_stats().dropped_chunks == 1
+
+
+def test_pieces_of_one_chunk_merge_and_their_summary_is_their_mean_key(store_factory):
+    store = store_factory(host_bytes=10 * PIECE_BYTES, disk_bytes=10 * PIECE_BYTES)
+    first, second = piece(7, tokens=2, seed=1), piece(7, tokens=3, seed=2)
+    store.put(first)
+    store.put(second)
+    assert store.flush(5.0)
+    whole = store.load([7])[0]
+    assert whole.tokens == 5
+    assert torch.equal(whole.keys, torch.cat([first.keys, second.keys], 2))
+    torch.testing.assert_close(store.index().summaries[0], key_summary(whole.keys))
+
+
+def test_a_piece_of_a_chunk_on_disk_brings_it_back_to_host_memory(store_factory):
+    store = store_factory(host_bytes=PIECE_BYTES * 3, disk_bytes=10 * PIECE_BYTES)
+    store.put(piece(0))
+    store.put(piece(1))
+    store.put(piece(2))
+    store.put(piece(3))  # chunk 0 spills
+    assert store.flush(5.0) and store.index().tiers[0] == DISK
+    store.put(piece(0, tokens=1, seed=5))
+    assert store.flush(5.0)
+    assert store.load([0])[0].tokens == 4
+
+
+def test_a_writer_behind_drops_the_oldest_pending_piece_and_counts_it(store_factory):
+    store = store_factory(host_bytes=100 * PIECE_BYTES, pending=2)
+    entered, gate = threading.Event(), threading.Event()
+    place = store._place
+    store._place = lambda p: (entered.set(), gate.wait(5.0), place(p))  # stuck on its first
+    store.put(piece(0))
+    assert entered.wait(5.0)
+    for chunk in range(1, 5):
+        store.put(piece(chunk))
+    gate.set()
+    assert store.flush(5.0)
+    assert store.current_stats().dropped_pieces == 2
+    assert store.index().chunks == [0, 3, 4]
+
+
+def test_a_damaged_tier_file_is_refused_with_its_name(store_factory, tmp_path):
+    store = store_factory(host_bytes=0, disk_bytes=10 * PIECE_BYTES)
+    store.put(piece(0))
+    assert store.flush(5.0)
+    path = next((tmp_path / "tiers").iterdir())
+    path.write_bytes(b"\x00" * 64)
+    with pytest.raises(RuntimeError, match=path.name):
+        store.load([0])
+
+
+def test_clear_forgets_every_chunk_and_its_files(store_factory, tmp_path):
+    store = store_factory(host_bytes=PIECE_BYTES, disk_bytes=10 * PIECE_BYTES)
+    for chunk in range(3):
+        store.put(piece(chunk))
+    assert store.flush(5.0)
+    store.clear()
+    assert store.index().chunks == [] and not list((tmp_path / "tiers").iterdir())
+    assert store.current_stats().host_bytes == 0
+
+
+def test_budgets_are_checked():
+    with pytest.raises(ValueError, match="directory"):
+        TierStore(host_bytes=1, disk_bytes=1)
+    with pytest.raises(ValueError):
+        TierStore(host_bytes=-1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(chunks=st.integers(0, 5), tokens=st.integers(1, 4), groups=st.sampled_from([1, 2]),
+       seed=st.integers(0, 1000))
+def test_recall_scores_match_the_reference(chunks, tokens, groups, seed):
+    g = torch.Generator().manual_seed(seed)
+    queries = torch.randn(LAYERS, HEADS * groups, tokens, DIM, generator=g)
+    summaries = torch.randn(chunks, LAYERS, HEADS, DIM, generator=g)
+    torch.testing.assert_close(recall_scores(queries, summaries),
+                               recall_scores_reference(queries, summaries),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_the_chunk_whose_keys_match_the_question_scores_highest():
+    g = torch.Generator().manual_seed(0)
+    summaries = torch.randn(6, LAYERS, HEADS, DIM, generator=g)
+    queries = summaries[4].unsqueeze(2).repeat(1, 1, 3, 1) * 5
+    assert int(recall_scores(queries, summaries).argmax()) == 4
+
+
+def test_merged_summaries_are_the_mean_of_all_tokens():
+    keys = torch.randn(LAYERS, HEADS, 5, DIM)
+    merged = merged_summary(key_summary(keys[:, :, :2]), 2, key_summary(keys[:, :, 2:]), 3)
+    torch.testing.assert_close(merged, key_summary(keys))
+
+
+def test_choose_recall_takes_the_best_that_fit():
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.8])
+    tokens = torch.tensor([2, 5, 2, 4])
+    assert choose_recall(scores, tokens, budget=7) == [1, 2]
+    assert choose_recall(scores, tokens, budget=6) == [1]
+    assert choose_recall(scores, tokens, budget=4) == [3]
+    assert choose_recall(scores, tokens, budget=0) == []
