@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from deltas_ros.training.palette import COLOURS, SHAPES
+from deltas_ros.training.palette import ALL_COLOURS, ALL_SHAPES, COLOURS, SHAPES
 from deltas_ros.training.questions import (
     FORMS,
     QA,
@@ -23,7 +23,14 @@ from deltas_ros.training.questions import (
     objects_of,
     sample_questions,
 )
-from deltas_ros.training.scenes import BUSY, SceneOptions, SceneStream, scene_stream
+from deltas_ros.training.scenes import (
+    BUSY,
+    HOUR,
+    SceneOptions,
+    SceneStream,
+    busy_options,
+    scene_stream,
+)
 from deltas_ros.training.train import scene_tokenizer
 
 OPTIONS = SceneOptions(objects=(3, 3), cuts=(1, 1), distractors=(1, 2))
@@ -142,6 +149,16 @@ def test_todays_scene_streams_are_unchanged(options, expected):
     assert [_fingerprint(seed, options) for seed in (0, 1, 1_000_123)] == expected
 
 
+def test_todays_busy_streams_are_unchanged():
+    """The busy world's figures were measured on these: the hour world must not move them
+    (digests taken before it existed), up to the 10 minutes where busy_options keeps BUSY."""
+    assert [_fingerprint(seed, BUSY, 600) for seed in (0, 1, 1_000_123)] == \
+        ["64e68586d82a84f4", "fb83cd3e09d60909", "eb6e7e08c2116af9"]
+    assert [_fingerprint(seed, replace(BUSY, objects=(8, 8)), 120) for seed in (0, 1)] == \
+        ["5f211c61113eeeac", "8391e5b8ae21d6ea"]
+    assert busy_options(600) is BUSY and busy_options(3600) is HOUR
+
+
 def test_busy_streams_share_shapes_and_colours_and_come_back():
     """Over many seeds: all 24 identities occur, 1-12 objects a stream, shapes and colours
     shared within a stream, objects back in view later (after a gap), quiet stretches; an
@@ -206,3 +223,88 @@ def test_busy_answers_name_every_object_of_the_shape_oldest_first():
         qa = make_question(str(rng.choice(FORMS)), events, rng)
         assert qa.question in {TEMPLATES[qa.form].format(colour=c, shape=s)
                                for c in COLOURS for s in SHAPES}
+
+
+def _parts(events: list[dict], part_s: float) -> list[list[dict]]:
+    """The object events of each part, by appearance time."""
+    visits = objects_of(events)
+    count = int(np.ceil(max(v["end"] for v in visits) / part_s))
+    return [[v for v in visits if k * part_s <= v["time"] < (k + 1) * part_s]
+            for k in range(count)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_an_hour_holds_things_seen_only_in_each_part(seed):
+    """The hour world: every 5-minute part has 20 appearances (the busy world's 8 every 2
+    minutes), objects seen only in it, revisits, and a quiet stretch of 30 s or more; identities
+    drawn from 12 colours x 5 shapes, one per part's object of its own; every shown object has
+    a never-shown pair of its shape and one of its colour (the controls of "seen")."""
+    stream = SceneStream(3600, 64, 48, seed, HOUR)
+    events = stream.events()
+    parts = _parts(events, HOUR.part_s)
+    assert len(parts) == 12
+    seen_in = {}
+    for k, part in enumerate(parts):
+        assert len(part) == 20
+        for v in part:
+            seen_in.setdefault((v["colour"], v["shape"]), set()).add(k)
+        spans = [(0.0, 0.0), *[(v["time"], v["end"]) for v in part],
+                 ((k + 1) * HOUR.part_s, 0.0)]
+        spans[0] = (k * HOUR.part_s,) * 2
+        assert max(b[0] - a[1] for a, b in zip(spans, spans[1:])) >= 30  # quiet
+        assert all(a[1] <= b[0] for a, b in zip(spans[1:-1], spans[2:-1]))  # one at a time
+    only = [next(iter(p)) for p in seen_in.values() if len(p) == 1]
+    assert set(only) == set(range(12))  # things seen only in each part
+    assert len([p for p in seen_in.values() if len(p) > 1]) >= 5  # revisits across parts
+    visits = objects_of(events)
+    assert len(visits) > len(seen_in) >= 24  # revisits; at least two objects of its own a part
+    shown = set(seen_in)
+    assert {c for c, _ in shown} <= set(ALL_COLOURS) and {s for _, s in shown} <= set(ALL_SHAPES)
+    never = {(c, s) for c in ALL_COLOURS for s in ALL_SHAPES} - shown
+    for colour, shape in shown:
+        assert any(s == shape for _, s in never) and any(c == colour for c, _ in never)
+    assert SceneStream(3600, 64, 48, seed, HOUR).events() == events
+    assert np.array_equal(stream.frame(1234.5, 2469), SceneStream(
+        3600, 64, 48, seed, HOUR).frame(1234.5, 2469))
+
+
+def test_an_hours_questions_have_controls_and_one_answer():
+    """"seen" about an hour asks about shown objects and about never-shown pairs of the 60,
+    mostly sharing the shape or colour of a shown one; "when" names one first appearance."""
+    events = SceneStream(1800, 64, 48, 5, HOUR).events()
+    shown = {(o["colour"], o["shape"]) for o in identities_of(events)}
+    rng = np.random.default_rng(0)
+    yes = no = near = 0
+    for _ in range(300):
+        qa = make_question("seen", events, rng, extended=True)
+        colour, shape = qa.question[len("Did you see a "):-1].split()
+        assert (colour, shape) in shown or qa.answer.endswith(": no")
+        if (colour, shape) in shown:
+            yes += qa.answer.endswith(": yes")
+        else:
+            no += 1
+            near += any(c == colour or s == shape for c, s in shown)
+    assert yes > 100 and no > 100 and near > 0.6 * no
+    for o in identities_of(events):
+        qa = make_question("when", events, rng, about=o)
+        second = appear_second(o)
+        assert qa.answer == f"the {o['colour']} {o['shape']} appeared at {second} seconds"
+        assert is_correct(qa, qa.answer)
+
+
+def test_the_hour_worlds_new_shapes_and_colours_are_drawn():
+    """A lime cross and a teal diamond cover their colour where their event says."""
+    options = replace(HOUR, objects=(4, 4), jitter=0.0, part_s=0.0, shared=True, reappear=0.0)
+    for seed in range(40):
+        stream = SceneStream(12, 128, 96, seed, options)
+        found = [e for e in stream.events() if e["kind"] == "object"
+                 and e["colour"] in ("lime", "teal") and e["shape"] in ("cross", "diamond")]
+        if found:
+            break
+    event = found[0]
+    frame = stream.frame((event["time"] + event["end"]) / 2).astype(int)
+    colour = np.array(ALL_COLOURS[event["colour"]])
+    assert (np.abs(frame - colour).sum(-1) < 40).mean() > 0.03
+    assert make_question("seen", stream.events(), np.random.default_rng(0),
+                         about=event, extended=True).question == \
+        f"Did you see a {event['colour']} {event['shape']}?"

@@ -20,6 +20,19 @@ COLOURS = {
     "orange": (250, 140, 20),
 }
 SHAPES = ("circle", "square", "triangle")
+# The hour world's further identities (scenes.HOUR): an hour at the busy world's density shows
+# far more objects than the 24 pairs above, and every shown one needs never-shown pairs of its
+# shape and of its colour. Each colour is at least 85 apart in RGB from every other colour and
+# none is grey or dark, so the muted, tinted backgrounds never match one.
+MORE_COLOURS = {
+    "purple": (140, 60, 230),
+    "pink": (255, 150, 190),
+    "lime": (170, 250, 70),
+    "teal": (0, 150, 140),
+}
+MORE_SHAPES = ("diamond", "cross")
+ALL_COLOURS = {**COLOURS, **MORE_COLOURS}
+ALL_SHAPES = (*SHAPES, *MORE_SHAPES)
 # Background tints, by name for the labels of cuts.
 TINTS = {
     "grey": (1.0, 1.0, 1.0),
@@ -28,6 +41,13 @@ TINTS = {
     "green": (0.8, 1.15, 0.8),
     "purple": (1.05, 0.8, 1.1),
 }
+
+
+def identities(extended: bool = False) -> tuple[dict[str, tuple[int, int, int]], tuple[str, ...]]:
+    """(colours, shapes) a stream draws from: today's 8 x 3, or with the hour world's."""
+    return (ALL_COLOURS, ALL_SHAPES) if extended else (COLOURS, SHAPES)
+
+
 NOISE_BANK = 8  # precomputed noise frames, drawn at random per frame: cheap and still "live"
 NOISE_AMPLITUDE = 3
 

@@ -26,6 +26,14 @@ is then among the last tokens the model wrote, one attention step from the chunk
 it. With bare answers ("red") the model must first carry the question's word to the answer
 position and then look up by it; a tiny model trained for an hour never learned that two-step
 lookup, only to name the colour of some object in the stream.
+
+An hour's questions (the hour world, scenes.HOUR: 12 colours, 5 shapes, ~40 objects an hour)
+are "Did you see a <color> <shape>?" and "When did the <color> <shape> appear?" about objects of
+every part of the hour; "seen" asks, half the time, about a never-shown pair, most often one
+that shares the shape or the colour of a shown object (the hour world always leaves such pairs).
+The forms that name every match ("What color was the circle?", "Which shape was red?", "What
+appeared?", "How many objects appeared?") keep working on the streams they work on today (up to
+12 objects) and are not asked about an hour: there they would list dozens of objects.
 """
 
 from __future__ import annotations
@@ -36,7 +44,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.config import StreamConfig
-from .palette import COLOURS, SHAPES
+from .palette import (
+    ALL_COLOURS,
+    ALL_SHAPES,
+    COLOURS,
+    MORE_COLOURS,
+    MORE_SHAPES,
+    SHAPES,
+    identities,
+)
 
 FORMS = ("colour", "shape", "seen", "appeared", "when", "count")
 TARGET_FORMS = ("colour", "shape", "seen")  # the forms the accuracy target is about
@@ -55,6 +71,10 @@ NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight
 DOMAIN_WORDS = (*COLOURS, *SHAPES, "yes", "no", "a", "and", "seconds", *NUMBERS[:4], "What",
                 "appeared", "color", "was", "the", "Which", "shape", "Did", "you", "see", "When",
                 "did", "appear", "How", "many", "objects", "at", "not", "seen")
+# The hour world's words, after all of the above in the vocabulary (train.load_init copies a
+# model trained without them and gives them rows of their own).
+MORE_WORDS = (*MORE_COLOURS, *MORE_SHAPES)
+HOUR_FORMS = ("seen", "when")  # the forms asked about an hour
 TIME_TEXT_PIECES = (" seconds>",)  # the tail of each chunk's "<t seconds>" time text
 WHEN_TOLERANCE_S = 1  # a "when" answer counts within this many whole seconds
 
@@ -127,16 +147,18 @@ def answer_for(form: str, events: list[dict], colour: str = "", shape: str = "")
 
 
 def make_question(form: str, events: list[dict], rng: np.random.Generator,
-                  about: dict | None = None) -> QA:
+                  about: dict | None = None, extended: bool = False) -> QA:
     """A question of `form` about the stream (about `about` when it names an object, else a
     random one); "seen" asks about a seen object or, half the time, an unseen pair that shares
-    its shape or its colour (the hard negative) or neither."""
+    its shape or its colour (the hard negative) or neither, from the stream's identities
+    (palette.identities(extended))."""
     objects = identities_of(events)
     target = about or objects[int(rng.integers(len(objects)))]
     colour, shape = target["colour"], target["shape"]
     if form == "seen" and about is None and rng.random() < 0.5:
         seen = {(o["colour"], o["shape"]) for o in objects}
-        unseen = [(c, s) for c in COLOURS for s in SHAPES if (c, s) not in seen]
+        colours, shapes = identities(extended)
+        unseen = [(c, s) for c in colours for s in shapes if (c, s) not in seen]
         near = [(c, s) for c, s in unseen if c == colour or s == shape]
         pool = near if near and rng.random() < 0.7 else unseen
         colour, shape = pool[int(rng.integers(len(pool)))]
@@ -147,12 +169,12 @@ def make_question(form: str, events: list[dict], rng: np.random.Generator,
 
 
 def sample_questions(events: list[dict], rng: np.random.Generator, count: int,
-                     weights: dict[str, float]) -> list[QA]:
+                     weights: dict[str, float], extended: bool = False) -> list[QA]:
     """`count` questions, forms drawn by `weights` (forms missing from it are never asked)."""
     forms = [f for f in FORMS if weights.get(f, 0) > 0]
     p = np.array([weights[f] for f in forms], dtype=float)
     picks = rng.choice(len(forms), size=count, p=p / p.sum())
-    return [make_question(forms[i], events, rng) for i in picks]
+    return [make_question(forms[i], events, rng, extended=extended) for i in picks]
 
 
 def _words(text: str) -> list[str]:
@@ -170,8 +192,8 @@ def is_correct(qa: QA, text: str) -> bool:
     said, truth = _words(text), _words(qa.answer)
     if qa.form == "appeared":
         return _pairs(said) == _pairs(truth)
-    said_colours, true_colours = _named(said, COLOURS), _named(truth, COLOURS)
-    said_shapes, true_shapes = _named(said, SHAPES), _named(truth, SHAPES)
+    said_colours, true_colours = _named(said, ALL_COLOURS), _named(truth, ALL_COLOURS)
+    said_shapes, true_shapes = _named(said, ALL_SHAPES), _named(truth, ALL_SHAPES)
     only_truth = set(said_colours) <= set(true_colours) and set(said_shapes) <= set(true_shapes)
     if qa.form == "colour":
         return said_colours == true_colours and only_truth
@@ -195,9 +217,9 @@ def _pairs(words: list[str]) -> set[tuple[str, str]] | None:
     """{(colour, shape)} named as "colour shape" pairs; None if any word is out of place."""
     pairs, colour = set(), None
     for word in words:
-        if word in COLOURS and colour is None:
+        if word in ALL_COLOURS and colour is None:
             colour = word
-        elif word in SHAPES and colour is not None:
+        elif word in ALL_SHAPES and colour is not None:
             pairs.add((colour, word))
             colour = None
         elif word not in ("a", "and"):

@@ -6,6 +6,15 @@ are unique within a stream, so every question about "the circle" or "the red one
 The busy world (`BUSY`, opt-in) has up to 12 objects out of the 24 colour-shape identities,
 sharing shapes and colours, some coming back into view later; an identity is still one object of
 the stream.
+
+The hour world (`HOUR`, opt-in) is the busy world at any length, drawn in parts of `part_s`
+seconds (5 minutes) from the 60 identities of 12 colours and 5 shapes (palette.ALL_COLOURS,
+ALL_SHAPES). Every part shows objects of its own (one of them never again: a thing seen only in
+that part), revisits of its own and of earlier parts' objects, 4 appearances a minute (the busy
+world's 8 every 2 minutes) and one quiet stretch of 30-90 s with no object at all. One pair per
+colour, covering every shape, is never shown: every shown object has never-shown controls of its
+shape and of its colour. `HOUR` streams of any length up to an hour use distinct identities for
+every part's own objects (12 parts x 4 = 48 = 60 - 12 controls).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from dataclasses import dataclass, replace
 import cv2
 import numpy as np
 
-from .palette import COLOURS, NOISE_AMPLITUDE, SHAPES, TINTS, background
+from .palette import NOISE_AMPLITUDE, TINTS, background, identities
 
 
 @dataclass(frozen=True)
@@ -26,7 +35,7 @@ class SceneOptions:
     """What a scene stream may contain (counts are drawn uniformly from the ranges).
 
     objects:      (min, max) objects; at most len(SHAPES), one of each shape at most, unless
-                  shared
+                  shared; in the hour layout, each part's objects of its own
     visible_s:    (min, max) seconds an object stays in view (each time it is in view)
     jitter:       camera shake amplitude as a fraction of the frame width
     cuts:         (min, max) scene cuts (a new background from then on)
@@ -34,10 +43,15 @@ class SceneOptions:
     overlap:      whether objects may be in view at the same time
     shared:       objects may share a shape or a colour (each still a distinct colour-shape pair,
                   up to len(COLOURS) * len(SHAPES) objects)
-    reappear:     probability that an object comes back into view once more, later
+    reappear:     probability that an object comes back into view once more, later; in the
+                  hour layout, that an appearance is a revisit of an earlier part's object
+    extended:     identities from palette.ALL_COLOURS x ALL_SHAPES instead of today's 8 x 3
+    part_s:       > 0: the hour layout (`SceneStream._hour`), parts of this many seconds, cuts
+                  and distractors drawn per part
 
     shared or reappear draws the stream another way (`SceneStream._busy_objects`); without
-    them a seed gives the streams it always gave.
+    them a seed gives the streams it always gave. So do extended and part_s: without them
+    (the default) a seed gives the same stream as before they existed.
     """
 
     objects: tuple[int, int] = (1, 3)
@@ -48,9 +62,12 @@ class SceneOptions:
     overlap: bool = False
     shared: bool = False
     reappear: float = 0.0
+    extended: bool = False
+    part_s: float = 0.0
 
     def __post_init__(self) -> None:
-        most = len(COLOURS) * len(SHAPES) if self.shared else len(SHAPES)
+        colours, shapes = identities(self.extended)
+        most = len(colours) * len(shapes) if self.shared else len(shapes)
         if not 1 <= self.objects[0] <= self.objects[1] <= most:
             raise ValueError(f"objects must be within 1..{most}, got {self.objects}")
         if not 0 < self.visible_s[0] <= self.visible_s[1]:
@@ -59,6 +76,8 @@ class SceneOptions:
             raise ValueError("cuts, distractors and jitter must be >= 0")
         if not 0 <= self.reappear <= 1:
             raise ValueError(f"reappear must be a probability, got {self.reappear}")
+        if self.part_s < 0 or (self.part_s and self.overlap):
+            raise ValueError("part_s must be >= 0, and the hour layout has no overlap")
 
     @property
     def busy(self) -> bool:
@@ -70,6 +89,18 @@ class SceneOptions:
 # quiet stretches between objects (the free time is split at random points).
 BUSY = SceneOptions(objects=(1, 12), cuts=(0, 3), distractors=(0, 6), shared=True,
                     reappear=0.33)
+# The hour world: parts of 5 minutes, each with 2-4 objects of its own, a third of the
+# appearances revisits of earlier parts, cuts and distractors as dense as the busy world's.
+HOUR = SceneOptions(objects=(2, 4), cuts=(0, 3), distractors=(0, 6), shared=True, reappear=0.33,
+                    extended=True, part_s=300.0)
+HOUR_PER_MINUTE = 4.0  # appearances a minute in the hour layout
+HOUR_QUIET_S = (30.0, 90.0)  # each part's quiet stretch (at most half the part)
+
+
+def busy_options(duration_s: float) -> SceneOptions:
+    """The busy world of a stream this long: `BUSY` up to 10 minutes (the lengths its figures
+    were measured at), the hour world (`HOUR`) beyond."""
+    return HOUR if duration_s > 600 else BUSY
 
 
 @dataclass(frozen=True)
@@ -105,32 +136,41 @@ class SceneStream:
         rng = np.random.default_rng(seed)
         self.duration_s, self.width, self.height = duration_s, width, height
         self.options = options
-        count = int(rng.integers(options.objects[0], options.objects[1] + 1))
-        if options.busy:
-            self.labels = self._busy_objects(rng, count, options)
+        colours, shapes = identities(options.extended)
+        windows = [(0.0, duration_s)]  # where cuts and distractors are drawn, in turn
+        if options.part_s:
+            self.labels, spans, windows = self._hour(rng, duration_s, options)
         else:
-            shapes = rng.permutation(SHAPES)[:count]
-            colours = rng.permutation(list(COLOURS))[:count]
-            self.labels = [(str(c), str(s)) for s, c in zip(shapes, colours)]
-        # One mover per time in view: a reappearing object has a label (and a mover) per visit.
-        spans = self._spans(rng, len(self.labels), duration_s, options)
-        self.objects = [self._mover(rng, s, COLOURS[c], t0, t1)
+            count = int(rng.integers(options.objects[0], options.objects[1] + 1))
+            if options.busy:
+                self.labels = self._busy_objects(rng, count, options)
+            else:
+                picked = rng.permutation(shapes)[:count]
+                self.labels = [(str(c), str(s)) for s, c in
+                               zip(picked, rng.permutation(list(colours))[:count])]
+            # One mover per time in view: a reappearing object has a label (and a mover) per
+            # visit.
+            spans = self._spans(rng, len(self.labels), duration_s, options)
+        self.objects = [self._mover(rng, s, colours[c], t0, t1)
                         for (c, s), (t0, t1) in zip(self.labels, spans)]
         self.distractors = []
-        for _ in range(int(rng.integers(options.distractors[0], options.distractors[1] + 1))):
-            t0 = round(float(rng.uniform(0, max(duration_s - 1.0, 0.1))), 3)
-            grey = int(rng.integers(60, 200))
-            shade = tuple(int(np.clip(grey + d, 0, 255)) for d in rng.integers(-15, 16, 3))
-            self.distractors.append(replace(
-                self._mover(rng, "blob", shade, t0,
-                            round(min(duration_s, t0 + float(rng.uniform(1, 4))), 3)),
-                size=float(rng.uniform(0.12, 0.2))))
+        for start, length in windows:
+            for _ in range(int(rng.integers(options.distractors[0],
+                                            options.distractors[1] + 1))):
+                t0 = round(start + float(rng.uniform(0, max(length - 1.0, 0.1))), 3)
+                grey = int(rng.integers(60, 200))
+                shade = tuple(int(np.clip(grey + d, 0, 255)) for d in rng.integers(-15, 16, 3))
+                self.distractors.append(replace(
+                    self._mover(rng, "blob", shade, t0,
+                                round(min(duration_s, t0 + float(rng.uniform(1, 4))), 3)),
+                    size=float(rng.uniform(0.12, 0.2))))
         tint = "grey"
         self.backgrounds = [(0.0, tint, int(rng.integers(2**31)))]
-        cuts = int(rng.integers(options.cuts[0], options.cuts[1] + 1))
-        for time in sorted(rng.uniform(0.5, duration_s, cuts)):
-            tint = str(rng.choice([name for name in TINTS if name != tint]))
-            self.backgrounds.append((round(float(time), 3), tint, int(rng.integers(2**31))))
+        for start, length in windows:
+            cuts = int(rng.integers(options.cuts[0], options.cuts[1] + 1))
+            for time in sorted(rng.uniform(start + 0.5, start + length, cuts)):
+                tint = str(rng.choice([name for name in TINTS if name != tint]))
+                self.backgrounds.append((round(float(time), 3), tint, int(rng.integers(2**31))))
         self.jitter_phase = rng.uniform(0, 2 * math.pi, 4)
         self.noise_seed = int(rng.integers(2**31))
         self._cache: dict[int, np.ndarray] = {}
@@ -141,10 +181,54 @@ class SceneStream:
         """(colour, shape) per time in view, in order: `count` distinct identities (shapes
         and colours shared), each shown once more with probability `reappear`; the visits are
         shuffled, so a second visit may come right after the first or minutes later."""
-        identities = [(c, s) for c in COLOURS for s in SHAPES]
-        picked = [identities[i] for i in rng.choice(len(identities), count, replace=False)]
+        colours, shapes = identities(options.extended)
+        pairs = [(c, s) for c in colours for s in shapes]
+        picked = [pairs[i] for i in rng.choice(len(pairs), count, replace=False)]
         visits = picked + [o for o in picked if rng.random() < options.reappear]
         return [visits[i] for i in rng.permutation(len(visits))]
+
+    @classmethod
+    def _hour(cls, rng: np.random.Generator, duration: float, options: SceneOptions,
+              ) -> tuple[list[tuple[str, str]], list[tuple[float, float]],
+                         list[tuple[float, float]]]:
+        """The hour layout: (colour, shape) and visible span per appearance, sorted by time,
+        and the (start, length) of every part.
+
+        One identity per colour (shapes in turn) is a never-shown control. Each part takes its
+        own objects from the rest, in a shuffled order; its first is seen in this part only,
+        the others may be revisited later. Its appearances beyond one per own object are
+        revisits: of an earlier part's object with probability `reappear`, else of its own.
+        """
+        colours, shapes = identities(options.extended)
+        colour_order = [str(c) for c in rng.permutation(list(colours))]
+        shape_order = [str(s) for s in rng.permutation(list(shapes))]
+        controls = {(colour_order[i % len(colours)], shape_order[i % len(shapes)])
+                    for i in range(max(len(colours), len(shapes)))}
+        pool = [(c, s) for c in colour_order for s in shape_order if (c, s) not in controls]
+        pool = [pool[i] for i in rng.permutation(len(pool))]
+        labels, spans, windows, revisitable = [], [], [], []
+        start = 0.0
+        while start < duration:
+            length = min(options.part_s, duration - start)
+            count = int(rng.integers(options.objects[0], options.objects[1] + 1))
+            own, pool = pool[:count], pool[count:]
+            visits = list(own)
+            for _ in range(round(length / 60 * HOUR_PER_MINUTE) - len(own)):
+                if revisitable and (rng.random() < options.reappear or not own):
+                    visits.append(revisitable[int(rng.integers(len(revisitable)))])
+                elif own:
+                    visits.append(own[int(rng.integers(len(own)))])
+            visits = [visits[i] for i in rng.permutation(len(visits))]
+            quiet = min(float(rng.uniform(*HOUR_QUIET_S)), length / 2)
+            quiet_at = float(rng.uniform(0, length - quiet))
+            for t0, t1 in cls._spans(rng, len(visits), length - quiet, options):
+                shift = start + (quiet if t1 > quiet_at else 0.0)
+                spans.append((round(t0 + shift, 3), round(t1 + shift, 3)))
+            labels += visits
+            revisitable += own[1:]
+            windows.append((start, length))
+            start += length
+        return labels, spans, windows
 
     @staticmethod
     def _spans(rng: np.random.Generator, count: int, duration: float,
@@ -241,6 +325,14 @@ def _draw_shape(image: np.ndarray, shape: str, colour: tuple[int, int, int],
         half = int(half * 0.85)  # about the circle's area
         corners = [(cx - half, cy - half), (cx + half, cy - half), (cx + half, cy + half),
                    (cx - half, cy + half)]
+    elif shape == "diamond":
+        corners = [(cx, cy - half), (cx + half, cy), (cx, cy + half), (cx - half, cy)]
+    elif shape == "cross":  # a plus sign, arms 0.4 of the side wide
+        w = max(1, int(half * 0.4))
+        corners = [(cx - w, cy - half), (cx + w, cy - half), (cx + w, cy - w), (cx + half, cy - w),
+                   (cx + half, cy + w), (cx + w, cy + w), (cx + w, cy + half),
+                   (cx - w, cy + half), (cx - w, cy + w), (cx - half, cy + w),
+                   (cx - half, cy - w), (cx - w, cy - w)]
     else:
         corners = [(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)]
     points = np.array(corners, dtype=np.int32)
