@@ -92,7 +92,7 @@ def node_cycles(args: argparse.Namespace, memory_dir: str) -> list[dict[str, dic
     from lifecycle_msgs.srv import ChangeState
     from sensor_msgs.msg import Image
 
-    from deltas_ros.ros.adapters import to_time_msg
+    from deltas_ros.ros.messages import to_time_msg
 
     isolate_ros()
     overrides = {"model_path": args.model, "autostart": "false", "device": "cpu",

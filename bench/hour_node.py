@@ -51,7 +51,7 @@ from rclpy.executors import SingleThreadedExecutor
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import Image
 
-from deltas_ros.ros.adapters import to_time_msg
+from deltas_ros.ros.messages import to_time_msg
 from deltas_ros.ros.node import NOT_READY
 from deltas_ros.training.questions import QA, TEMPLATES, answer_for, is_correct
 from deltas_ros.training.scenes import BUSY, SceneStream

@@ -271,7 +271,7 @@ def status_values(status: DiagnosticStatus) -> dict[str, str]:
 
 
 def stamp_msg(stamp: float):
-    from deltas_ros.ros.adapters import to_time_msg
+    from deltas_ros.ros.messages import to_time_msg
 
     return to_time_msg(stamp)
 

@@ -14,7 +14,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from ros_helpers import StderrLog, Tester, start
 from sensor_msgs.msg import Image
 
-from deltas_ros.ros.adapters import CameraSubscription, camera_topic
+from deltas_ros.ros.camera import CameraSubscription, camera_topic
 
 PREFIX = "qos_overrides./cam.subscription."
 

@@ -27,7 +27,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
 from deltas_ros.ros import lifecycle
 from deltas_ros.ros import node as node_module
-from deltas_ros.ros.adapters import lifecycle_state
+from deltas_ros.ros.lifecycle_state import lifecycle_state
 from deltas_ros.ros.node import EXECUTOR_THREADS, FINALIZED, NOT_READY, QUESTION_SLOTS, MemoryNode
 from deltas_ros.runtime import health
 from deltas_ros.runtime import session as session_module

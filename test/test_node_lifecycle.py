@@ -17,7 +17,7 @@ from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from ros_helpers import BASE_STAMP, Tester, indices, send_goal, start, status_values, stop
 
 from deltas_ros.core.maker import make_model, tiny_config
-from deltas_ros.ros.adapters import RefusedTransitions, lifecycle_state
+from deltas_ros.ros.lifecycle_state import RefusedTransitions, lifecycle_state
 
 BIG_VOCAB = 300_000  # embedding + lm_head: 38 M parameters (154 MB) and almost no compute
 MODEL_BYTES = 2 * BIG_VOCAB * tiny_config().text_config.hidden_size * 4
@@ -157,7 +157,7 @@ def test_autostart_false_and_a_refused_configure_stay_up(tmp_path, ros_env):
         assert tester.lifecycle_state() == "unconfigured" and process.poll() is None
         assert not send_goal(tester.action, goal).accepted
         # A manager that names transitions by id (nav2's does) and asks for one the state does
-        # not allow is refused, and the node stays up (adapters.RefusedTransitions).
+        # not allow is refused, and the node stays up (lifecycle_state.RefusedTransitions).
         activate = ChangeState.Request(transition=Transition(id=Transition.TRANSITION_ACTIVATE))
         assert not tester.call(tester.change_state_client, activate).success
         assert tester.lifecycle_state() == "unconfigured" and process.poll() is None

@@ -24,7 +24,8 @@ from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from sensor_msgs.msg import CompressedImage, Image
 
 from ..runtime.session import NOT_ACTIVE, Session
-from .adapters import CameraSubscription, camera_topic, lifecycle_state
+from .camera import CameraSubscription, camera_topic
+from .lifecycle_state import lifecycle_state
 from .memory_io import PoseInput
 
 FRAME_HISTORY = 60  # camera messages held for the callback: 2 s at 30 fps
@@ -41,7 +42,7 @@ class MemoryLifecycle:
     (`MemoryNode`) holds what it reads: session, camera, poses, params, `stopping`, failure,
     lingering and the loader thread.
 
-    The lifecycle state itself is rclpy's (`adapters.lifecycle_state`), read where it is
+    The lifecycle state itself is rclpy's (`lifecycle_state.lifecycle_state`), read where it is
     needed: active (the session's `node_active`: questions and health), configuring (a model
     load under way, `threads_ended`), shutting down or finalized (`no_session`), and whether
     autostart's configure is still to come (`autostarting`). Two facts stay ours because rclpy's

@@ -24,8 +24,8 @@ from ..core.poses import Pose, PoseBuffer
 from ..core.results import HeldChunk
 from ..msg import MemoryChunks
 from ..runtime.image import MemoryImage
-from .adapters import to_time_msg
 from .markers import MemoryMarkers
+from .messages import to_time_msg
 
 POSE_TYPES = {"odometry": Odometry, "pose_stamped": PoseStamped,
               "pose_with_covariance": PoseWithCovarianceStamped}

@@ -41,19 +41,14 @@ from ..runtime import params
 from ..runtime.health import Level, loading_health
 from ..runtime.session import NOT_CONFIGURED, NOT_READY, Session
 from .action import ACTION_SLOTS, AskActionServer
-from .adapters import (
-    CameraSubscription,
-    RefusedTransitions,
-    declare_parameters,
-    deserialize_frame,
-    diagnostics_message,
-    drift_message,
-    lifecycle_state,
-    log_frame_outcome,
-)
+from .camera import CameraSubscription
+from .camera_frames import deserialize_frame, log_frame_outcome
 from .cdr import raw_header, raw_stamp
 from .lifecycle import FINALIZED, SHUTDOWN_S, MemoryLifecycle
+from .lifecycle_state import RefusedTransitions, lifecycle_state
 from .memory_io import MemoryView, PoseInput, pose_stamped
+from .messages import diagnostics_message, drift_message
+from .parameters import declare_parameters
 from .services import QUESTION_SLOTS, MemoryServices
 
 __all__ = ["EXECUTOR_THREADS", "FINALIZED", "NOT_READY", "QUESTION_SLOTS", "SHUTDOWN_S",

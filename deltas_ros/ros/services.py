@@ -7,7 +7,7 @@ Questions run in a callback group that admits `QUESTION_SLOTS` at once and reset
 mutually exclusive one, so however many planners call, executor threads stay free for the
 camera and the timer (node.EXECUTOR_THREADS counts them); further requests wait in their
 service queue (`SERVICE_QUEUE` deep) in order of arrival. Whatever a callback raises is
-answered as a failure (ros_adapters.replying), counted in the node's `requests_failed`.
+answered as a failure (replying.py), counted in the node's `requests_failed`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from ..runtime.files import MemoryPathError
 from ..runtime.session import STOPPED, Refused
 from ..srv import AskMemory, MemoryFile
 from .action import window
-from .adapters import BoundedCallbackGroup, replying
+from .callback_group import BoundedCallbackGroup
 from .memory_io import fill_answer
+from .replying import replying
 
 SERVICE_QUEUE = 100  # requests held per service beyond those being served; more are dropped
 QUESTION_SLOTS = 4  # questions handed to the worker at once
