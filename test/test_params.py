@@ -6,8 +6,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deltas_ros.core.config import MemoryConfig
 from deltas_ros.core.loader import SHIPPED_MODEL, resolve_pixel_budget
 from deltas_ros.runtime import params
+from deltas_ros.tools import params_doc
+from deltas_ros.tools.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = {"model_path": "/models/qwen"}
@@ -93,7 +96,27 @@ def test_cuda_index_is_a_valid_device():
     assert params.validate(GOOD | {"device": "cuda:1"}) is None
 
 
-def test_the_parameters_page_documents_every_parameter():
-    readme = (REPO / "docs" / "parameters.md").read_text()
-    missing = [p.name for p in params.PARAMS if f"`{p.name}`" not in readme]
-    assert not missing, f"docs/parameters.md does not describe: {missing}"
+def test_the_yaml_file_is_the_one_the_table_writes():
+    """Descriptions and defaults live in runtime/params.py only: `deltas-ros params --yaml`
+    writes config/deltas.yaml."""
+    assert (REPO / "config" / "deltas.yaml").read_text() == params_doc.render_yaml()
+
+
+def test_the_parameters_page_holds_the_table_the_parameters_write():
+    """`deltas-ros params --markdown` writes the table between the page's markers."""
+    page = (REPO / "docs" / "parameters.md").read_text()
+    assert params_doc.written_table(page) == params_doc.render_markdown()
+    assert all(f"`{p.name}`" in page for p in params.PARAMS)
+
+
+def test_the_command_prints_both_forms(capsys):
+    assert main(["params", "--yaml"]) == 0
+    assert capsys.readouterr().out == params_doc.render_yaml()
+    assert main(["params", "--markdown"]) == 0
+    assert capsys.readouterr().out == params_doc.render_markdown()
+
+
+def test_a_memory_config_from_a_mapping_refuses_unknown_names():
+    assert MemoryConfig.from_mapping({"budget_tokens": 4096}).budget_tokens == 4096
+    with pytest.raises(ValueError, match="not MemoryConfig fields: budget, windw"):
+        MemoryConfig.from_mapping({"budget": 4096, "windw": 8})

@@ -9,7 +9,9 @@ spread). Plain Python, no torch: the frame gate and the command line read it che
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 # The retention signals a memory can rank tokens by (policy.make_policy builds each one).
 POLICY_NAMES = ("deltas", "recency", "uniform", "random", "value_norm", "key_norm",
@@ -31,13 +33,9 @@ class QuestionFailed(RuntimeError):
 class StreamConfig:
     """How camera frames become chunks (defaults: the paper's 2 fps, 1-second chunks).
 
-    fps, frames_per_chunk: frames sampled per second of stream time (by header stamp), and per
-    chunk (pairs: the model's temporal patch is 2 frames).
-    max_gap_s: a forward stamp jump larger than this starts a new segment (memory kept).
-    tolerance_s: how early a frame may come and still fill its sampling slot (stamp jitter).
-    timeline_confirm_s: arrival seconds a new timeline must last before it is followed.
-    queue_chunks: chunks waiting for the model at most (the oldest are dropped beyond it).
-    pose_max_gap_s: a chunk's pose is unknown when the nearest pose is farther from its stamp.
+    Every field but tolerance_s is a node parameter of the same name, described once in the
+    node's parameter table (runtime/params.py). tolerance_s: how early a frame may come and
+    still fill its sampling slot (stamp jitter).
     """
 
     fps: float = 2.0
@@ -55,22 +53,14 @@ class MemoryConfig:
 
     Budget, sinks, window and buckets default to the paper's; the policy to `surprise`, the
     per-token state signal, which kept the most of every state-based policy in the busy-world
-    evaluation (`deltas` is the paper's per-chunk DeltaS).
+    evaluation (`deltas` is the paper's per-chunk DeltaS). The fields that are node parameters
+    of the same name are described once, in the node's parameter table (runtime/params.py);
+    pixel_budget is the resolved one (the node's 0 becomes the model's stored budget).
 
     compact_margin: positions kept free below max_position_embeddings for questions and their
     answers; positions are compacted when a chunk would reach into them.
     max_question_tokens, max_answer_tokens: a question longer than this many tokens, or asking
     for a longer answer, is refused before anything changes (bounded work per request).
-    evidence_chunks, evidence_candidates: an answer's evidence is the `evidence_chunks` held
-    chunks whose leaving-out lowers the answer's likelihood most, among the
-    `evidence_candidates` the answer attended to most (one forward of the question and its
-    answer each); 0 candidates: the chunks attended to most (no extra forward).
-    max_question_s: a question holds the worker at most this long; then it returns the answer
-    so far, marked truncated, so the camera stream is not starved.
-    thinking: let the model reason before it answers (the chat template's `enable_thinking`;
-    Qwen3.5's published template opens a `<think>` block unless it is false). The answer is
-    then what follows `</think>`, the reasoning is returned apart, and max_new_tokens bounds
-    both together.
     """
 
     budget_tokens: int = 8192
@@ -112,6 +102,15 @@ class MemoryConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of "
                              f"{', '.join(POLICY_NAMES)}")
 
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> MemoryConfig:
+        """The configuration from named values (the node's parameters, a command line's or a
+        benchmark's options), the rest defaults; a name that is no field is refused, so a
+        misspelt setting cannot pass silently."""
+        unknown = sorted(set(values) - {field.name for field in fields(cls)})
+        if unknown:
+            raise ValueError(f"not MemoryConfig fields: {', '.join(unknown)}")
+        return cls(**values)
 
 
 def question_problem(question: str, max_chars: int | None = None, wire: bool = False) -> str:

@@ -21,12 +21,13 @@ from geometry_msgs.msg import PoseStamped
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
+from ..runtime.params import ASK_TIMEOUT_S, DEFAULT_NODE
 from ..srv import AskMemory
 from .fleet import RobotAnswer, ask_fleet, discover, format_fleet, robot_dict
 
 
-def ask(question: str, node_name: str = "/deltas_memory", max_new_tokens: int = 0,
-        timeout_s: float = 120.0, wait_idle: bool = False) -> AskMemory.Response:
+def ask(question: str, node_name: str = DEFAULT_NODE, max_new_tokens: int = 0,
+        timeout_s: float = ASK_TIMEOUT_S, wait_idle: bool = False) -> AskMemory.Response:
     """Call `<node_name>/ask_memory` once; raises TimeoutError if there is no answer in time.
 
     wait_idle: first wait until the node's diagnostics show no chunk waiting for the model, so

@@ -23,13 +23,13 @@ from sensor_msgs.msg import Image
 
 from ..action import AskMemory
 from ..msg import DriftScore, MemoryChunks
+from ..runtime.params import ASK_TIMEOUT_S, DEFAULT_NODE
 from .dashboard_access import check_bind, read_token
 from .dashboard_body import Question
 from .dashboard_http import DashboardHttp
 from .dashboard_state import DashboardState
 from .plain import pose_dict, seconds
 
-ASK_TIMEOUT_S = 120.0
 POLL_S = 0.25  # how soon a question notices that its browser left
 
 
@@ -77,7 +77,7 @@ def jpeg_of(msg: Image) -> bytes:
 class DashboardNode(Node):
     """Subscribes to one memory node's outputs and keeps the bounded DashboardState."""
 
-    def __init__(self, memory_node: str = "/deltas_memory",
+    def __init__(self, memory_node: str = DEFAULT_NODE,
                  state: DashboardState | None = None) -> None:
         super().__init__("deltas_dashboard")
         # Absolute, whatever this node's own namespace: the launch file passes

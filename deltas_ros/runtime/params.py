@@ -1,22 +1,28 @@
 """The node's parameters in one table: defaults, descriptions, ranges, and their validation.
 
 The node declares every parameter from this table; the defaults it shares with the engine come
-from core/config.py (MemoryConfig, StreamConfig), config/deltas.yaml lists the same values
-(test_params.py checks it), and `validate` refuses bad values with a reason a user can act on.
-No rclpy here, so the rules are tested without a ROS graph.
+from core/config.py (MemoryConfig, StreamConfig). Each description is written here only:
+config/deltas.yaml and the table in docs/parameters.md are generated from it
+(`deltas-ros params --yaml / --markdown`; test_params.py checks both). `validate` refuses bad
+values with a reason a user can act on. No rclpy and no torch here: the rules are tested
+without a ROS graph, and the ask client reads its defaults cheaply.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ..core.config import POLICY_NAMES, MemoryConfig, StreamConfig
-from ..core.loader import resolve_model_path, resolve_pixel_budget
+
+NODE_NAME = "deltas_memory"
+DEFAULT_NODE = f"/{NODE_NAME}"  # the node's full name when started without a namespace
+ASK_TIMEOUT_S = 120.0  # how long a question may wait: the node's, the ask client's, the page's
 
 DEVICES = ("auto", "cpu", "cuda")
 MIN_PIXEL_BUDGET = 32 * 32
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+POSE_TYPES = ("odometry", "pose_stamped", "pose_with_covariance")
 KINDS = {bool: "true or false", int: "an integer", float: "a decimal number (2.0, not 2)",
          str: "a string"}
 
@@ -100,7 +106,7 @@ PARAMS: tuple[Param, ...] = (
     Param("max_question_s", MemoryConfig.max_question_s,
           "Longest a question may hold the model; then the answer so far, marked truncated",
           low=0.1, high=3600.0),
-    Param("ask_timeout_s", 120.0, "How long a question may wait for the worker",
+    Param("ask_timeout_s", ASK_TIMEOUT_S, "How long a question may wait for the worker",
           read_only=False, low=0.1, high=3600.0),
     Param("memory_dir", "",
           "The only directory memory files are read from and written to "
@@ -119,8 +125,8 @@ PARAMS: tuple[Param, ...] = (
           read_only=False, low=0.1, high=3600.0),
     Param("pose_topic", "",
           "Robot pose input tagging each chunk with where it was seen (empty: none)"),
-    Param("pose_type", "odometry", "Message type on pose_topic",
-          choices=("odometry", "pose_stamped", "pose_with_covariance")),
+    Param("pose_type", "odometry", "Message type on pose_topic: " + ", ".join(POSE_TYPES),
+          choices=POSE_TYPES),
     Param("pose_max_gap_s", StreamConfig.pose_max_gap_s,
           "A chunk's pose is unknown when the nearest pose is farther than this from its stamp",
           low=0.001, high=60.0),
@@ -129,6 +135,8 @@ PARAMS: tuple[Param, ...] = (
           high=256),
 )
 BY_NAME = {p.name: p for p in PARAMS}
+# The parameters that are MemoryConfig fields of the same name.
+ENGINE_PARAMS = tuple(f.name for f in fields(MemoryConfig) if f.name in BY_NAME)
 
 
 def defaults() -> dict[str, Any]:
@@ -179,25 +187,18 @@ def validate(values: dict[str, Any]) -> str | None:
 
 def resolved(values: dict[str, Any]) -> dict[str, Any]:
     """The values with an empty model_path made the shipped model's directory."""
+    from ..core.loader import resolve_model_path  # torch: only where a model is meant
+
     return values | {"model_path": str(resolve_model_path(values.get("model_path")))}
 
 
 def memory_config(values: dict[str, Any]) -> MemoryConfig:
     """The engine's configuration from parameter values (raises ValueError if inconsistent)."""
-    return MemoryConfig(
-        budget_tokens=values["budget_tokens"],
-        sink_tokens=values["sink_tokens"],
-        window_tokens=values["window_tokens"],
-        buckets=values["buckets"],
-        policy=values["policy"],
-        seed=values["seed"],
-        pixel_budget=resolve_pixel_budget(values["pixel_budget"], values["model_path"]),
-        max_new_tokens=values["max_new_tokens"],
-        evidence_chunks=values["evidence_chunks"],
-        evidence_candidates=values["evidence_candidates"],
-        max_question_s=values["max_question_s"],
-        thinking=values["thinking"],
-    )
+    from ..core.loader import resolve_pixel_budget
+
+    pixel_budget = resolve_pixel_budget(values["pixel_budget"], values["model_path"])
+    return MemoryConfig.from_mapping({name: values[name] for name in ENGINE_PARAMS}
+                                     | {"pixel_budget": pixel_budget})
 
 
 class Parameters:

@@ -17,6 +17,7 @@
     deltas-ros plot RESULTS [RESULTS ...] [--out plot.png]
     deltas-ros ask "question" [--node /deltas_memory | --all [--json] [--discovery 3]]
                    [--max-new-tokens N] [--timeout 120] [--wait-idle]
+    deltas-ros params --yaml | --markdown
     deltas-ros train [--config config/train_tiny.yaml] [--out out/train] [--resume]
                      [--device cpu|cuda] [--seed N] [--max-minutes M] [--max-steps N]
 """
@@ -29,8 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..core.config import MemoryConfig, StreamConfig
+from ..runtime.params import ASK_TIMEOUT_S, DEFAULT_NODE, DTYPES
 
-DEFAULT_NODE = "/deltas_memory"
+# `run`'s options that set the MemoryConfig field of the same name (their dest).
+RUN_CONFIG = ("budget_tokens", "sink_tokens", "window_tokens", "buckets", "policy",
+              "max_new_tokens", "thinking")
+# `synth`'s options that set write_synth_bag's argument of the same name (their dest).
+SYNTH_OPTIONS = ("duration_s", "fps", "width", "height", "encoding", "storage", "topic", "seed")
 
 
 def make_model_command(args: argparse.Namespace) -> int:
@@ -54,18 +60,9 @@ def synth_command(args: argparse.Namespace) -> int:
     from ..training.scenes import BUSY, SceneOptions
     from ..training.synth import write_synth_bag
 
-    out = write_synth_bag(
-        args.out_bag,
-        duration_s=args.duration,
-        fps=args.fps,
-        width=args.width,
-        height=args.height,
-        encoding=args.encoding,
-        storage=args.storage,
-        topic=args.topic,
-        seed=args.seed,
-        scenes=BUSY if args.busy else SceneOptions() if args.scenes else None,
-    )
+    scenes = BUSY if args.busy else SceneOptions() if args.scenes else None
+    out = write_synth_bag(args.out_bag, scenes=scenes,
+                          **{name: getattr(args, name) for name in SYNTH_OPTIONS})
     print(f"wrote {out}")
     for event in load_events(out):
         span = f"{event['time']:8.3f} .. {event['end']:8.3f} s"
@@ -83,15 +80,13 @@ def replay_command(args: argparse.Namespace) -> int:
 def run_command(args: argparse.Namespace) -> int:
     """Feed a bag or video file through the memory at the node's sampling, without ROS."""
     from ..core.loader import load_model, resolve_model_path, resolve_pixel_budget
-    from ..core.memory import MemoryConfig, StreamingMemory
+    from ..core.memory import StreamingMemory
     from .offline import open_source, run_file
 
     model = resolve_model_path(args.model)
-    config = MemoryConfig(
-        budget_tokens=args.budget, sink_tokens=args.sinks, window_tokens=args.window,
-        buckets=args.buckets, policy=args.policy, max_new_tokens=args.max_new_tokens,
-        pixel_budget=resolve_pixel_budget(args.pixel_budget, model), thinking=args.thinking,
-    )
+    config = MemoryConfig.from_mapping(
+        {name: getattr(args, name) for name in RUN_CONFIG}
+        | {"pixel_budget": resolve_pixel_budget(args.pixel_budget, model)})
     source = open_source(args.source, args.topic)  # a bad input fails before the model loads
     memory = StreamingMemory(load_model(model, args.device, args.dtype), config)
     summary, asked = run_file(memory, source, args.out, questions=args.ask or (),
@@ -219,6 +214,15 @@ def dashboard_command(args: argparse.Namespace) -> int:
                  tuple(args.allow_host))
 
 
+def params_command(args: argparse.Namespace) -> int:
+    """Print the node's parameters as config/deltas.yaml, or as the table of the parameters
+    page (docs/parameters.md), from the one parameter table."""
+    from .params_doc import render_markdown, render_yaml
+
+    print(render_markdown() if args.markdown else render_yaml(), end="")
+    return 0
+
+
 def train_command(args: argparse.Namespace) -> int:
     """Train the tiny scene model (a Qwen3.5) on generated streams; see training/train.py."""
     from ..training.config import TrainConfig
@@ -229,6 +233,12 @@ def train_command(args: argparse.Namespace) -> int:
     model = Trainer(cfg, args.out, args.device, args.resume).run()
     print(f"model in {model}")
     return 0
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """--device and --dtype, as the node's parameters of the same names take them."""
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,14 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     synth = commands.add_parser("synth", help=synth_command.__doc__)
     synth.add_argument("out_bag", help="bag directory to create (must not exist)")
-    synth.add_argument("--duration", type=float, default=30.0, help="seconds")
-    synth.add_argument("--fps", type=float, default=30.0)
-    synth.add_argument("--width", type=int, default=640)
-    synth.add_argument("--height", type=int, default=480)
+    synth.add_argument("--duration", dest="duration_s", metavar="DURATION", type=float,
+                       default=30.0, help="seconds")
+    for flag, kind, default in (("--fps", float, 30.0), ("--width", int, 640),
+                                ("--height", int, 480), ("--seed", int, 0)):
+        synth.add_argument(flag, type=kind, default=default)
     synth.add_argument("--encoding", default="rgb8", choices=["rgb8", "jpeg"])
     synth.add_argument("--storage", default="mcap", choices=["mcap", "sqlite3"])
     synth.add_argument("--topic", default="/camera/image_raw")
-    synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--scenes", action="store_true",
                        help="a scene stream: shapes the shipped model answers about")
     synth.add_argument("--busy", action="store_true",
@@ -290,11 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--policy", default=MemoryConfig.policy,
                      help="retention signal (deltas, recency, uniform, random, ...; "
                           "default: %(default)s)")
-    run.add_argument("--budget", type=int, default=MemoryConfig.budget_tokens,
+    run.add_argument("--budget", dest="budget_tokens", metavar="BUDGET", type=int,
+                     default=MemoryConfig.budget_tokens,
                      help="KV cache budget M in tokens (default: %(default)s)")
-    run.add_argument("--window", type=int, default=MemoryConfig.window_tokens,
+    run.add_argument("--window", dest="window_tokens", metavar="WINDOW", type=int,
+                     default=MemoryConfig.window_tokens,
                      help="recent tokens always kept (default: %(default)s)")
-    run.add_argument("--sinks", type=int, default=MemoryConfig.sink_tokens,
+    run.add_argument("--sinks", dest="sink_tokens", metavar="SINKS", type=int,
+                     default=MemoryConfig.sink_tokens,
                      help="attention-sink tokens always kept (default: %(default)s)")
     run.add_argument("--buckets", type=int, default=MemoryConfig.buckets,
                      help="temporal buckets (default: %(default)s)")
@@ -303,9 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "budget, else 320x320; as the node)")
     run.add_argument("--fps", type=float, default=StreamConfig.fps,
                      help="frames sampled per second (default: %(default)s)")
-    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    run.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
-                                                          "float16"])
+    add_device_options(run)
     run.add_argument("--topic", help="a bag's image topic (default: its only one)")
     run.add_argument("--ask", action="append", metavar="QUESTION",
                      help="ask at the end of the stream (repeatable)")
@@ -341,9 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                       default=MemoryConfig.evidence_candidates,
                       help="chunks left out once each to find an answer's evidence (0: none; "
                            "default: %(default)s)")
-    plan.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    plan.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
-                                                           "float16"])
+    add_device_options(plan)
     plan.add_argument("--available-gib", type=float,
                       help="plan for a device with this much free memory instead of this one")
     output = plan.add_mutually_exclusive_group()
@@ -369,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --all: seconds to listen for memory nodes first "
                           "(default: %(default)s)")
     ask.add_argument("--max-new-tokens", type=int, default=0, help="0 = the node's default")
-    ask.add_argument("--timeout", type=float, default=120.0,
+    ask.add_argument("--timeout", type=float, default=ASK_TIMEOUT_S,
                      help="seconds to wait (with --all: for every robot together)")
     ask.add_argument("--wait-idle", action="store_true",
                      help="first wait until no chunk is waiting for the model")
@@ -390,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a Host name the page may be reached by, beside the bound address "
                            "and localhost (repeatable; e.g. the robot's DNS name)")
     dash.set_defaults(run=dashboard_command)
+
+    params = commands.add_parser("params", help=params_command.__doc__)
+    form = params.add_mutually_exclusive_group(required=True)
+    form.add_argument("--yaml", action="store_true", help="the parameters file, every default")
+    form.add_argument("--markdown", action="store_true", help="the parameters page's table")
+    params.set_defaults(run=params_command)
 
     train = commands.add_parser("train", help=train_command.__doc__)
     train.add_argument("--config", default="config/train_tiny.yaml", help="training config")
