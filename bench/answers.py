@@ -54,8 +54,8 @@ from deltas_ros.training.questions import (
 from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import SceneStream
 
-from .common import add_answers_args, finish, md_table, run_answers
-from .retention import PIXEL_DIFF, stream_into
+from .common import add_answers_args, finish, md_table, memory_config, run_answers
+from .retention import PIXEL_DIFF, engine_policy, stream_into
 
 FULL, STATE = "full", "state"
 # The scene options of config/train_tiny.yaml's last stage.
@@ -126,10 +126,10 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                 tokens = sinks + sum(probe.builder.build(f, t, 0).num_tokens for f, t in chunks)
                 for name, budget, policy in conditions(args, tokens, sinks):
                     started = time.perf_counter()
-                    config = MemoryConfig(
-                        budget_tokens=budget, sink_tokens=sinks, window_tokens=args.window,
-                        policy="deltas" if policy == PIXEL_DIFF else policy, seed=seed,
-                        pixel_budget=pixel_budget, max_new_tokens=24)
+                    config = memory_config(
+                        args, budget_tokens=budget, sink_tokens=sinks, seed=seed,
+                        policy=engine_policy(policy), pixel_budget=pixel_budget,
+                        max_new_tokens=24)
                     answers = run_condition(loaded, chunks, qas, config, policy == PIXEL_DIFF)
                     for (qa, text, evidence), (_, span) in zip(answers, asked):
                         out.write(json.dumps({

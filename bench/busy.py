@@ -46,7 +46,7 @@ from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import BUSY, SceneStream
 
 from .answers import wilson
-from .common import add_answers_args, finish, md_table, run_answers
+from .common import add_answers_args, finish, md_table, memory_config, run_answers
 
 KINDS = ("seen: shown", "seen: never shown", "colour: unique", "shape: unique",
          "colour: shared", "shape: shared")
@@ -133,8 +133,8 @@ def busy_streams(args: argparse.Namespace, loaded: LoadedModel,
 
 def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
     pixel_budget = resolve_pixel_budget(args.pixel_budget, loaded.path)
-    config = MemoryConfig(budget_tokens=10**8, pixel_budget=pixel_budget,
-                          max_new_tokens=args.max_new_tokens, evidence_candidates=0)
+    config = memory_config(args, budget_tokens=10**8, pixel_budget=pixel_budget,
+                           max_new_tokens=args.max_new_tokens, evidence_candidates=0)
     with records_path.open("a") as out:
         for stream in busy_streams(args, loaded, config):
             asked = busy_questions(stream.scene.events(), stream.seed)

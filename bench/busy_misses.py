@@ -38,7 +38,7 @@ from deltas_ros.training.questions import identities_of, is_correct
 from .answers import wilson
 from .busy import ask_about
 from .busy_retention import busy_streams, position
-from .common import add_answers_args, finish, md_table, run_answers
+from .common import add_answers_args, finish, md_table, memory_config, run_answers
 
 GROUPS = ("new", "shares", "again")
 HALF_CHUNK_S = 0.25  # a chunk's frames lie this far either side of its time (2 frames at 2 fps)
@@ -74,10 +74,10 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
             budget = max(round(args.fraction * tokens), sinks + args.window + 1)
             for policy in args.policies:
                 started = time.perf_counter()
-                memory = StreamingMemory(loaded, MemoryConfig(
-                    budget_tokens=budget, sink_tokens=sinks, window_tokens=args.window,
-                    policy=policy, seed=seed, pixel_budget=pixel_budget,
-                    max_new_tokens=args.max_new_tokens, evidence_candidates=0))
+                memory = StreamingMemory(loaded, memory_config(
+                    args, budget_tokens=budget, sink_tokens=sinks, policy=policy, seed=seed,
+                    pixel_budget=pixel_budget, max_new_tokens=args.max_new_tokens,
+                    evidence_candidates=0))
                 scores, times = [], []
                 for frames, stamps in chunks:
                     memory.add_chunk(frames, stamps)

@@ -43,8 +43,8 @@ from deltas_ros.training.scenes import BUSY, SceneStream
 
 from .answers import FULL, STATE, cell, conditions, run_condition, wilson
 from .busy import busy_questions
-from .common import add_answers_args, finish, md_table, run_answers
-from .retention import PIXEL_DIFF
+from .common import add_answers_args, finish, md_table, memory_config, run_answers
+from .retention import PIXEL_DIFF, engine_policy
 
 POSITIONS = ("early", "middle", "late")
 NEVER = "never shown"
@@ -91,11 +91,10 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
             qas = [qa for kind, qa in busy_questions(events, seed) if kind.startswith("seen")]
             for name, budget, policy in conditions(args, tokens, sinks):
                 started = time.perf_counter()
-                config = MemoryConfig(
-                    budget_tokens=budget, sink_tokens=sinks, window_tokens=args.window,
-                    policy="deltas" if policy == PIXEL_DIFF else policy, seed=seed,
-                    pixel_budget=pixel_budget, max_new_tokens=args.max_new_tokens,
-                    evidence_candidates=0)
+                config = memory_config(
+                    args, budget_tokens=budget, sink_tokens=sinks, seed=seed,
+                    policy=engine_policy(policy), pixel_budget=pixel_budget,
+                    max_new_tokens=args.max_new_tokens, evidence_candidates=0)
                 answers = run_condition(loaded, chunks, qas, config, policy == PIXEL_DIFF)
                 for qa, text, _ in answers:
                     out.write(json.dumps({

@@ -27,6 +27,7 @@ import torch
 import transformers
 from transformers import Qwen3_5ForConditionalGeneration
 
+from deltas_ros.core.config import MemoryConfig
 from deltas_ros.core.kernels import select_gated_delta_kernels
 from deltas_ros.core.loader import LoadedModel, default_dtype, load_model, resolve_model_path
 from deltas_ros.core.maker import (
@@ -35,6 +36,7 @@ from deltas_ros.core.maker import (
     make_tokenizer,
     tiny_config,
 )
+from deltas_ros.runtime.params import NODE_NAME
 
 if TYPE_CHECKING:
     from deltas_ros.core.memory import StreamingMemory
@@ -215,7 +217,7 @@ def memory_node_command(overrides: dict[str, Any]) -> list[str]:
     """The memory node as launch/deltas.launch.py runs it (its parameters file), plus
     `overrides` (parameter: value)."""
     command = [str(Path(sys.prefix) / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
-               "-r", "__node:=deltas_memory",
+               "-r", f"__node:={NODE_NAME}",
                "--params-file", str(REPO / "config" / "deltas.yaml")]
     for key, value in overrides.items():
         command += ["-p", f"{key}:={value}"]
@@ -285,14 +287,22 @@ def start_stream_run(name: str, parser: argparse.ArgumentParser, argv: list[str]
     the run's --budget, --window and --pixel-budget)."""
     # Imported here, not with this module: bench.cleanup_memory counts the modules a session
     # imports after its own imports (bench.common among them).
-    from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+    from deltas_ros.core.memory import StreamingMemory
 
     args, argv = parse(parser, argv)
     results = start_results(name, argv)
     loaded = bench_model(args)
     results |= {"model": describe_model(loaded), **stream_settings(args)}
-    return args, results, StreamingMemory(loaded, MemoryConfig(
-        budget_tokens=args.budget, window_tokens=args.window, pixel_budget=args.pixel_budget))
+    return args, results, StreamingMemory(loaded, memory_config(args,
+                                                                pixel_budget=args.pixel_budget))
+
+
+def memory_config(args: argparse.Namespace, **fields: Any) -> MemoryConfig:
+    """The run's memory: the budget and window its --budget and --window set (where it has
+    them), then `fields` over them (a condition's budget and policy, a resolved pixel budget)."""
+    given = {field: getattr(args, option) for option, field in
+             (("budget", "budget_tokens"), ("window", "window_tokens")) if hasattr(args, option)}
+    return MemoryConfig.from_mapping(given | fields)
 
 
 def finish(out_dir: Path, results: dict[str, Any], title: str, body: str) -> dict[str, Any]:

@@ -17,6 +17,8 @@ import time
 import urllib.request
 from collections import Counter
 
+from deltas_ros.runtime.params import DEFAULT_NODE
+
 from .common import REPO, stop_process
 
 
@@ -55,7 +57,7 @@ class DashboardPage:
     """The dashboard process (started as the launch file starts it, on a free port) and one
     /events reader on a thread, counting what it receives."""
 
-    def __init__(self, node: str = "/deltas_memory", ready_timeout: float = 120.0) -> None:
+    def __init__(self, node: str = DEFAULT_NODE, ready_timeout: float = 120.0) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deltas_ros.tools.cli", "dashboard", "--node", node,
              "--port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

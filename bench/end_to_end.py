@@ -37,6 +37,7 @@ from rclpy.executors import SingleThreadedExecutor
 
 from deltas_ros.core.maker import make_model
 from deltas_ros.ros.node import NOT_READY
+from deltas_ros.runtime.params import DEFAULT_NODE
 from deltas_ros.training.synth import NS_PER_S
 
 from .common import (
@@ -53,8 +54,8 @@ from .common import (
 from .dashboard_page import DashboardPage
 
 TOPIC = "/bench/camera/image_raw"
-DRIFT_TOPIC = "/deltas_memory/drift"
-ASK_SERVICE = "/deltas_memory/ask_memory"
+DRIFT_TOPIC = f"{DEFAULT_NODE}/drift"
+ASK_SERVICE = f"{DEFAULT_NODE}/ask_memory"
 CHUNK_S = 1.0  # two frames at 2 fps
 READY_TIMEOUT_S = 600.0  # a 9B model takes minutes to load from a cold disk
 

@@ -42,12 +42,12 @@ from typing import Any
 
 from deltas_ros.core.asking import leave_one_out_batched
 from deltas_ros.core.loader import LoadedModel, resolve_pixel_budget
-from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.memory import StreamingMemory
 from deltas_ros.training.questions import identities_of, objects_of
 
 from .answers import EVIDENCE_SLACK_S, wilson
 from .busy import ask_about, busy_questions, busy_streams
-from .common import add_answers_args, finish, md_table, run_answers
+from .common import add_answers_args, finish, md_table, memory_config, run_answers
 
 KS = (1, 2, 4, 8, 16)
 TOP1_AGREEMENT = 0.95
@@ -59,8 +59,8 @@ MATERIAL_DROP = 0.01
 
 def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
     pixel_budget = resolve_pixel_budget(args.pixel_budget, loaded.path)
-    full = MemoryConfig(pixel_budget=pixel_budget, max_new_tokens=args.max_new_tokens,
-                        evidence_chunks=args.full, evidence_candidates=args.full)
+    full = memory_config(args, pixel_budget=pixel_budget, max_new_tokens=args.max_new_tokens,
+                         evidence_chunks=args.full, evidence_candidates=args.full)
     mass = replace(full, evidence_candidates=0)
     with records_path.open("a") as out:
         for stream in busy_streams(args, loaded, full):

@@ -38,6 +38,7 @@ from .common import (
     describe_model,
     finish,
     md_table,
+    memory_config,
     parse,
     percent,
     start_results,
@@ -45,6 +46,12 @@ from .common import (
 
 FPS = 2.0
 PIXEL_DIFF = "pixel_diff"
+
+
+def engine_policy(policy: str) -> str:
+    """The policy a condition's memory is built with: the pixel-difference baseline is no engine
+    policy, so its memory is built with `deltas` and stream_into puts PixelDiffPolicy in place."""
+    return "deltas" if policy == PIXEL_DIFF else policy
 
 
 class PixelDiffPolicy(RetentionPolicy):
@@ -97,9 +104,9 @@ def event_chunks(events: list[dict], chunk_times: list[list[float]]) -> set[int]
 def run_stream(loaded: LoadedModel, policy: str, chunks: list[tuple[list, list[float]]],
                budget: int, args: argparse.Namespace) -> set[int]:
     """The chunks that still have tokens in memory after the whole stream."""
-    memory = StreamingMemory(loaded, MemoryConfig(
-        budget_tokens=budget, window_tokens=args.window, pixel_budget=args.pixel_budget,
-        policy="deltas" if policy == PIXEL_DIFF else policy, seed=args.seed))
+    memory = StreamingMemory(loaded, memory_config(
+        args, budget_tokens=budget, pixel_budget=args.pixel_budget, policy=engine_policy(policy),
+        seed=args.seed))
     stream_into(memory, chunks, policy == PIXEL_DIFF)
     return set(memory.stats().retained_chunks)
 
