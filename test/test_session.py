@@ -22,7 +22,8 @@ from deltas_ros.runtime import params
 from deltas_ros.runtime import session as session_module
 from deltas_ros.runtime.files import MemoryFiles
 from deltas_ros.runtime.health import Level
-from deltas_ros.runtime.session import FRAME_ID_MAX, LATENCY_WINDOW, NOT_READY, Session
+from deltas_ros.runtime.session import FRAME_ID_MAX, NOT_READY, Session
+from deltas_ros.runtime.session_counters import LATENCY_WINDOW
 from deltas_ros.runtime.stream_record import StreamRecord, continue_clock
 
 BASE = 1_700_000_000.0
@@ -132,7 +133,7 @@ def test_questions_are_refused_before_the_worker_and_counted_apart(tmp_path):
     assert "limit 4096" in session.question_refusal("hello", 2**32 - 1)
     assert "limit 4096" in session.question_refusal("hello", 65535)
     assert session.question_refusal("hello", 4096) == ""
-    assert session.questions_refused == 6
+    assert session.counters.questions_refused == 6
 
 
 def test_a_question_that_slips_past_a_deactivate_stops_at_its_first_token(running):
@@ -151,7 +152,7 @@ def test_chunks_before_ready_are_counted_and_frame_ids_are_bounded(tmp_path):
     session = Session(VALUES, MemoryFiles(tmp_path))
     for k in range(4):
         session.take_frame(BASE + k / 2, lambda: frame(BASE), "x" * 1_000_000)
-    assert session.chunks_before_ready == 2
+    assert session.counters.chunks_before_ready == 2
     assert len(session.frame_id) == FRAME_ID_MAX
 
 
@@ -243,7 +244,7 @@ def test_a_load_while_the_camera_streams_continues_without_wiping(running, tiny_
     run.push(live + 2.0, 2.0)
     run.settle(4)
     sampler = run.session.sampler
-    assert sampler.time_jumps_back == 0 and run.session.resets == 0
+    assert sampler.time_jumps_back == 0 and run.session.counters.resets == 0
     assert run.memory.chunks_seen == 5
     after = run.reports[2:]
     assert [r[0] for r in after] == [3, 4]  # the file's chunk indices go on
@@ -289,7 +290,7 @@ def test_autosave_runs_between_chunks_not_inside_the_report(running):
     run.push(BASE, 2.0)
     run.settle(2)
     assert seen_in_report == [False, False]  # the save was queued, not done in the report
-    assert wait_until(lambda: run.session.autosaves == 1)
+    assert wait_until(lambda: run.session.counters.autosaves == 1)
     run.call(lambda m: None)  # after the autosave
     extra = session_module.read_metadata(default)["extra"]
     assert extra["stream"] == StreamRecord(BASE, BASE + 1.5, 2).to_json()
@@ -345,7 +346,7 @@ def test_health_warns_on_what_happened_since_the_last_report(running, tmp_path):
     assert session.health()[:2] == (Level.WARN, "inactive: camera intake stopped, memory kept")
     session.node_active = lambda: True
     session.values = session.values | {"silence_warn_s": 0.01}
-    session.last_frame_wall = time.monotonic() - 5
+    session.counters.last_frame_wall = time.monotonic() - 5
     level, message, _ = session.health()
     assert level is Level.WARN and message.startswith("no camera frames for")
 

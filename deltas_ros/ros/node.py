@@ -202,7 +202,8 @@ class MemoryNode(MemoryLifecycle, RefusedTransitions, LifecycleNodeMixin, Node):
                      "requests_failed": self.requests_failed, **values}))
         if self.camera is not None:
             self.camera.follow(self.values["silence_warn_s"],
-                               max(session.last_frame_wall, session.started_wall))
+                               max(session.counters.last_frame_wall,
+                                   session.counters.started_wall))
 
     def destroy_node(self) -> None:
         self.stop()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +33,13 @@ from ..core.plan import require_fit
 from ..core.poses import Pose
 from ..core.results import HeldChunk
 from .files import MemoryFiles, MemoryPathError, read_key, read_metadata
-from .health import Level, report
+from .health import Level, loading_health, report
 from .params import BY_NAME, Parameters, memory_config, validate
 from .resources import memory_in_use, release_memory
+from .session_counters import SessionCounters
 from .stream_record import StreamRecord, continue_clock
 from .worker import MemoryWorker
 
-LATENCY_WINDOW = 30  # chunks in the latency median
 FRAME_ID_MAX = 256  # characters of a camera frame_id copied into reports
 NOT_READY = "not ready: the model is still loading"
 NOT_CONFIGURED = "not configured: the node is unconfigured (lifecycle); configure it first"
@@ -79,7 +78,6 @@ class Session:
                                     values["max_gap_s"], confirm_s=values["timeline_confirm_s"])
         self.gate = FrameGate(self.sampler)
         self.frame_lock = threading.Lock()  # the sampler: camera thread and worker operations
-        self.counter_lock = threading.Lock()
         self.ready = False  # the model is loaded and the worker runs
         # Lifecycle: whether the node is active (camera intake and questions). The node gives
         # its managed state (rclpy's); a session without a node is never active.
@@ -91,18 +89,7 @@ class Session:
         self.live_stamp: float | None = None  # last stamp of the newest chunk the gate made
         self.frame_id = ""
         self.last_result: ChunkResult | None = None
-        self.latencies_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self.callback_errors = 0
-        self.chunks_before_ready = 0
-        self.questions_refused = 0  # client mistakes refused before reaching the worker
-        self.requests_refused = 0
-        self.autosaves = 0
-        self.resets = 0  # worker thread only
-        self.reset_saves = 0  # memories saved before a time jump reset them (worker thread)
-        self.poses_refused = 0  # pose messages refused at the subscription
-        self.started_wall = time.monotonic()
-        self.last_frame_wall = 0.0
-        self.at_last_report = {"frames": 0, "drops": 0, "bad": 0}
+        self.counters = SessionCounters()  # what health reports
 
     @property
     def values(self) -> dict[str, Any]:
@@ -190,7 +177,7 @@ class Session:
         Finished chunks go to the worker (when ready; before, they are counted); a jump back
         queues a reset in order with the chunks. The arrival time that confirms a new timeline
         is this call's."""
-        self.last_frame_wall = arrival = time.monotonic()
+        self.counters.last_frame_wall = arrival = time.monotonic()
         with self.frame_lock:
             outcome = self.gate.push(stamp, decode, arrival)
             if outcome.chunks:  # only accepted frames make chunks: the live clock
@@ -202,24 +189,24 @@ class Session:
         for chunk in outcome.chunks:
             self.frame_id = frame_id[:FRAME_ID_MAX]
             if worker is None:
-                self.chunks_before_ready += 1
+                self.counters.chunks_before_ready += 1
             else:
                 dropped += worker.submit_chunk(chunk)
         return outcome, dropped
 
     def note_callback_error(self) -> None:
-        self.callback_errors += 1
+        self.counters.callback_errors += 1
 
     def note_pose_refused(self) -> None:
-        with self.counter_lock:
-            self.poses_refused += 1
+        with self.counters.lock:
+            self.counters.poses_refused += 1
 
     # ----------------------------------------------------------------------------- worker side
     def chunk_done(self, chunk: SampledChunk, result: ChunkResult) -> None:
         """Worker thread, after each chunk: the record, the latency window, the autosave."""
         self.record = StreamRecord.after(chunk)
         self.last_result, self.stats = result, self.memory.stats()
-        self.latencies_ms.append(result.forward_ms + result.signal_ms + result.evict_ms)
+        self.counters.latencies_ms.append(result.forward_ms + result.signal_ms + result.evict_ms)
         every = self.values["autosave_chunks"]
         if every and (chunk.index + 1) % every == 0:
             # Queued, not done here: a large save must not hold up this chunk's report.
@@ -233,7 +220,7 @@ class Session:
             discarded = self.worker.discard_chunks()
             self.sampler.reset()
             self.live_stamp = None
-        self.resets += 1
+        self.counters.resets += 1
         return self._done(memory, record=None, discarded=discarded)
 
     def save(self, memory: StreamingMemory, path: Path) -> OpResult:
@@ -278,11 +265,11 @@ class Session:
             path = self.files.before_reset()
             try:
                 self.save(memory, path)
-                self.reset_saves += 1
+                self.counters.reset_saves += 1
             except (MemoryPathError, RuntimeError, OSError) as error:
                 failure = f"saving the memory to {path} before a time-jump reset failed: {error}"
         memory.reset()
-        self.resets += 1
+        self.counters.resets += 1
         self._done(memory, record=None)
         if failure:
             raise RuntimeError(failure)
@@ -290,7 +277,7 @@ class Session:
     def autosave(self, memory: StreamingMemory) -> None:
         """Worker thread: save to the default file (every autosave_chunks, and at shutdown)."""
         self.save(memory, self.files.default)
-        self.autosaves += 1
+        self.counters.autosaves += 1
 
     def _done(self, memory: StreamingMemory, record: StreamRecord | None,
               discarded: int = 0) -> OpResult:
@@ -328,8 +315,8 @@ class Session:
         try:
             return self.files.resolve(requested)
         except MemoryPathError:
-            with self.counter_lock:
-                self.requests_refused += 1
+            with self.counters.lock:
+                self.counters.requests_refused += 1
             raise
 
     @property
@@ -353,11 +340,16 @@ class Session:
             problem = (f"max_new_tokens {max_new_tokens} is above the limit {limit} (the "
                        "max_new_tokens parameter's range)")
         if problem:
-            with self.counter_lock:
-                self.questions_refused += 1
+            with self.counters.lock:
+                self.counters.questions_refused += 1
         return problem
 
     # ----------------------------------------------------------------------------- health
     def health(self) -> tuple[Level, str, dict[str, Any]]:
-        """Level, message and values of the 1 Hz diagnostics report (`health.report`)."""
-        return report(self)
+        """Level, message and values of the 1 Hz diagnostics report (`health.report`; while
+        the model loads, `health.loading_health`)."""
+        if not self.ready:
+            return loading_health(self.values)
+        return report(self.counters, self.values, active=self.active, gate=self.gate,
+                      worker=self.worker, memory=self.memory, stats=self.stats,
+                      result=self.last_result)
