@@ -26,6 +26,7 @@ from deltas_ros.training.samples import (
 )
 from deltas_ros.training.scenes import SceneStream
 from deltas_ros.training.train import Trainer, new_model, scene_tokenizer
+from deltas_ros.training.vocabulary import check_extends
 
 TINY = dict(batch=2, questions=3, warmup=1, validation_streams=2, validation_seconds=4,
             log_every=1, width=64, height=48, pixel_budget=4096, max_minutes=600,
@@ -164,3 +165,48 @@ def test_busy_config_continues_a_model_and_resumes(tmp_path):
     for (name, a), b in zip(straight.model.state_dict().items(),
                             resumed.model.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_the_hour_worlds_words_extend_the_shipped_model(tmp_path):
+    """With the hour world's words the shipped model still loads as the start of a run: every
+    word keeps its id and its rows (embedding and output head), every other weight is copied,
+    and each new word starts near the mean of its class, apart from the other new words. A
+    vocabulary that moves a word is refused."""
+    from deltas_ros.core.loader import SHIPPED_MODEL
+    from deltas_ros.training.questions import MORE_WORDS
+    from deltas_ros.training.train import load_init
+
+    shipped = load_model(SHIPPED_MODEL, "cpu", "float32")
+    old = shipped.tokenizer.get_vocab()
+    tokenizer = scene_tokenizer(extended=True)
+    new = tokenizer.get_vocab()
+    assert scene_tokenizer().get_vocab() == old
+    assert all(new[t] == i for t, i in old.items())
+    added = sorted(new.values())[len(old):]
+    assert added == list(range(len(old), len(old) + 2 * len(MORE_WORDS)))
+    assert len(tokenizer.encode("Did you see a teal cross?", add_special_tokens=False)) == 7
+    cfg = TrainConfig(**TINY | {"vision": {"hidden_size": 64, "intermediate_size": 128},
+                                "init": str(SHIPPED_MODEL),
+                                "stages": [Stage(10**9, seconds=(2, 4), extended=True)]})
+    assert cfg.extended
+    model = new_model(cfg, tokenizer)
+    before = shipped.model.state_dict()
+    for name, weights in model.state_dict().items():
+        if before[name].shape == weights.shape:
+            torch.testing.assert_close(weights, before[name], msg=name)
+            continue
+        torch.testing.assert_close(weights[:len(old)], before[name], msg=name)
+        rows = before[name]
+        for word, members in (("purple", COLOURS), ("cross", SHAPES)):
+            for space in ("", " "):
+                trained = rows[[old[space + w] for w in members]]
+                spread = (trained - trained.mean(0)).norm(dim=1).mean()
+                assert (weights[new[space + word]] - trained.mean(0)).norm() < 0.5 * spread
+        assert not torch.equal(weights[new[" purple"]], weights[new[" pink"]])
+    moved = dict(new)
+    moved["red"], moved["purple"] = new["purple"], new["red"]
+    with pytest.raises(ValueError):
+        check_extends(old, moved)
+    with pytest.raises(ValueError):
+        load_init(new_model(replace(cfg, init=""), scene_tokenizer()), scene_tokenizer(True),
+                  SHIPPED_MODEL)

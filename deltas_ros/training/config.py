@@ -20,6 +20,11 @@ class Stage:
     min_steps:  steps in the stage before advance_at is looked at
     forms:      question form weights of this stage (default: the config's)
     shared, reappear: the busy world's scene options (scenes.SceneOptions)
+    extended, part_s: the hour world's (scenes.SceneOptions: its 60 identities, its parts)
+    batch, questions: streams a step and questions a stream (0: the config's; batch at most
+                the config's, whose stride the stream seeds keep)
+    mix:        share of this stage's steps drawn as stage `mix_stage` draws them (short
+                streams kept beside long ones)
     """
 
     until_step: int
@@ -33,11 +38,18 @@ class Stage:
     forms: dict[str, float] | None = None
     shared: bool = False
     reappear: float = 0.0
+    extended: bool = False
+    part_s: float = 0.0
+    batch: int = 0
+    questions: int = 0
+    mix: float = 0.0
+    mix_stage: int = 0
 
     def options(self) -> SceneOptions:
         return SceneOptions(objects=tuple(self.objects), cuts=tuple(self.cuts),
                             distractors=tuple(self.distractors), overlap=self.overlap,
-                            shared=self.shared, reappear=self.reappear)
+                            shared=self.shared, reappear=self.reappear,
+                            extended=self.extended, part_s=self.part_s)
 
 
 @dataclass
@@ -86,6 +98,12 @@ class TrainConfig:
     # parent ("deltas_ros/models/scenes-tiny" is the shipped model wherever one runs).
     init: str = ""
 
+    @property
+    def extended(self) -> bool:
+        """Whether a stage draws the hour world's identities: then the tokenizer has their
+        words (train.scene_tokenizer) and the vision phase their classes."""
+        return any(stage.extended for stage in self.stages)
+
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
         import yaml
@@ -98,9 +116,13 @@ class TrainConfig:
         raw["stages"] = [Stage(**{k: tuple(v) if isinstance(v, list) else v
                                   for k, v in s.items()}) for s in raw.get("stages", [])] \
             or [Stage(10**9)]
-        for stage in raw["stages"]:
+        for index, stage in enumerate(raw["stages"]):
             if set(stage.forms or {}) - set(FORMS):
                 raise ValueError(f"{path}: unknown question forms in {stage}")
+            if stage.batch > raw.get("batch", cls.batch) or not \
+                    (stage.mix == 0 or 0 <= stage.mix_stage < index):
+                raise ValueError(f"{path}: stage {index}: batch above the config's, or a mix "
+                                 "with a stage that is not an earlier one")
         if "betas" in raw:
             raw["betas"] = tuple(raw["betas"])
         raw["vision_pretrain"] = VisionPretrain(**raw.get("vision_pretrain", {}))

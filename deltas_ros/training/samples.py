@@ -16,7 +16,7 @@ from ..core.config import StreamConfig
 from ..core.prompt import ChatLayout
 from .cache import repeat_cache
 from .config import TrainConfig
-from .palette import COLOURS, SHAPES
+from .palette import identities
 from .questions import QA, sample_questions
 from .scenes import SceneOptions, SceneStream
 
@@ -102,7 +102,8 @@ def make_batch(builder: ChunkBuilder, layout: ChatLayout, cfg: TrainConfig, seed
         scene = SceneStream(seconds, cfg.width, cfg.height, seed, options)
         streams.append(stream_input(builder, layout, sampled_chunks(scene)))
         rng = np.random.default_rng((seed, 7))
-        for qa in sample_questions(scene.events(), rng, questions, forms or cfg.forms):
+        for qa in sample_questions(scene.events(), rng, questions, forms or cfg.forms,
+                                   options.extended):
             ids, start = qa_ids(tokenizer, layout, qa)
             qas.append(qa)
             rows.append(ids)
@@ -154,9 +155,11 @@ def loss_and_hits(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, lis
 def vision_sample(builder: ChunkBuilder, cfg: TrainConfig, seed: int,
                   ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """A chunk of a one-object scene stream (the last stage's cuts and distractors) and what
-    it shows: (pixel values, grid_thw, shape index, colour index) into SHAPES and COLOURS, or
-    len(SHAPES), len(COLOURS) for no object (chosen with probability vision_pretrain.empty)."""
-    options = replace(cfg.stages[-1].options(), objects=(1, 1))
+    it shows: (pixel values, grid_thw, shape index, colour index) into the stage's shapes and
+    colours (palette.identities), or their counts for no object (chosen with probability
+    vision_pretrain.empty). One object, in one part: the busy and hour worlds' draws aside."""
+    options = replace(cfg.stages[-1].options(), objects=(1, 1), part_s=0.0)
+    colours, shapes = identities(options.extended)
     scene = SceneStream(4, cfg.width, cfg.height, seed, options)
     chunks = chunk_frames(scene)  # only the chosen chunk is rendered
     seen = [[scene.visible(k / FPS) for k in frames] for frames in chunks]
@@ -168,6 +171,6 @@ def vision_sample(builder: ChunkBuilder, cfg: TrainConfig, seed: int,
     chunk = builder.build([scene.frame(i / FPS, i) for i in chunks[k]],
                           [i / FPS for i in chunks[k]], 0)
     if not seen[k][0]:
-        return chunk.pixel_values, chunk.grid_thw, len(SHAPES), len(COLOURS)
+        return chunk.pixel_values, chunk.grid_thw, len(shapes), len(colours)
     colour, shape = seen[k][0][0]
-    return chunk.pixel_values, chunk.grid_thw, SHAPES.index(shape), list(COLOURS).index(colour)
+    return chunk.pixel_values, chunk.grid_thw, shapes.index(shape), list(colours).index(colour)

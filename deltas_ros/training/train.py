@@ -55,10 +55,11 @@ from ..core.maker import (
 )
 from ..core.prompt import ChatLayout
 from .config import TrainConfig
-from .palette import COLOURS, SHAPES
+from .palette import COLOURS, SHAPES, identities
 from .questions import (
     DOMAIN_WORDS,
     FORMS,
+    MORE_WORDS,
     QA,
     TARGET_FORMS,
     TIME_TEXT_PIECES,
@@ -72,30 +73,32 @@ from .samples import (
     make_batch,
     vision_sample,
 )
+from .vocabulary import extend_state
 
 
 class VisionHead(torch.nn.Module):
     """The vision phase's throwaway classifier: a chunk's pooled tokens (B, hidden) -> shape
-    logits (B, len(SHAPES) + 1) and colour logits (B, len(COLOURS) + 1), the last class of each
-    "nothing".
+    logits (B, shapes + 1) and colour logits (B, colours + 1), the last class of each "nothing"
+    (`classes`: today's 3 shapes and 8 colours, or the hour world's 5 and 12).
 
     Untied: a linear layer. Tied: the classes are the language model's input embeddings of the
-    words that name them (`words()`: rows for SHAPES then COLOURS), by cosine similarity with
-    a learned scale, so that a chunk's tokens come out looking like the words for what it shows
-    (and those embeddings move towards them); "nothing" has vectors of its own.
+    words that name them (`words()`: rows for the shapes then the colours), by cosine similarity
+    with a learned scale, so that a chunk's tokens come out looking like the words for what it
+    shows (and those embeddings move towards them); "nothing" has vectors of its own.
     """
 
-    def __init__(self, hidden: int, words: Callable[[], torch.Tensor] | None = None) -> None:
+    def __init__(self, hidden: int, words: Callable[[], torch.Tensor] | None = None,
+                 classes: tuple[int, int] = (len(SHAPES), len(COLOURS))) -> None:
         super().__init__()
-        self.words = words
+        self.words, self.shapes = words, classes[0]
         if words is None:
-            self.linear = torch.nn.Linear(hidden, len(SHAPES) + 1 + len(COLOURS) + 1)
+            self.linear = torch.nn.Linear(hidden, classes[0] + 1 + classes[1] + 1)
         else:
             self.nothing = torch.nn.Parameter(torch.randn(2, hidden) * 0.02)
             self.scale = torch.nn.Parameter(torch.tensor(5.0))
 
     def forward(self, pooled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(SHAPES)
+        n = self.shapes
         if self.words is None:
             logits = self.linear(pooled)
             return logits[:, :n + 1], logits[:, n + 1:]
@@ -111,23 +114,29 @@ class VisionHead(torch.nn.Module):
 CHAT_ROLES = ("user", "assistant")  # the chat template's role names: one token each
 
 
-def scene_tokenizer():
+def scene_tokenizer(extended: bool = False):
     """The byte-level Qwen3.5 tokenizer plus whole-word tokens for the scene domain, each also
     with its leading space ("What color was the circle?" is 6 tokens, not 26; outside the domain
     a word may split, e.g. "redo" into " red" + "o", and still decodes exactly), the chat roles
     (the question's template tail: 7 tokens instead of 15) and the chunk time text's
-    " seconds>" (a chunk's time text: 6 tokens instead of 13-14)."""
+    " seconds>" (a chunk's time text: 6 tokens instead of 13-14). `extended`: then the hour
+    world's words (questions.MORE_WORDS) the same way, after all of those, so every other word
+    keeps the id the shipped model knows it by."""
     tokenizer = make_tokenizer(TINY_VISION_START_ID)
+    more = MORE_WORDS if extended else ()
     tokenizer.add_tokens([AddedToken(w, single_word=True, normalized=False)
                           for w in (*DOMAIN_WORDS, *CHAT_ROLES)]
                          + [AddedToken(f" {w}", normalized=False) for w in DOMAIN_WORDS]
-                         + [AddedToken(p, normalized=False) for p in TIME_TEXT_PIECES])
+                         + [AddedToken(p, normalized=False) for p in TIME_TEXT_PIECES]
+                         + [AddedToken(w, single_word=True, normalized=False) for w in more]
+                         + [AddedToken(f" {w}", normalized=False) for w in more])
     return tokenizer
 
 
 def new_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     """maker.tiny_config's layout (Gated DeltaNet + full attention 3:1) at the config's sizes,
-    with room for the scene tokenizer's added words; with `cfg.init`, that model's weights."""
+    with room for the scene tokenizer's added words; with `cfg.init`, that model's weights
+    (`load_init`)."""
     model = init_model(tiny_config(cfg.text, cfg.vision, len(tokenizer)), cfg.seed)
     if cfg.init:
         load_init(model, tokenizer, init_path(cfg.init))
@@ -141,12 +150,17 @@ def init_path(init: str) -> Path:
 
 
 def load_init(model: torch.nn.Module, tokenizer, path: Path) -> None:
-    """Copy an exported model's weights into `model` (all of them, same shapes), refusing one
-    whose tokenizer differs: its word ids would mean other words here."""
+    """Copy an exported model's weights into `model`: all of them, same shapes, or, where
+    `tokenizer` extends the model's vocabulary (the hour world's words after all of its own),
+    its rows copied and the new words' rows made by `vocabulary.extend_state`. Refuses a model
+    whose words have other ids here: its rows would mean other words."""
     source = load_model(path, "cpu", "float32")  # the loader every model goes through
-    if source.tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"{path}: its tokenizer is not the scene tokenizer")
-    model.load_state_dict(source.model.state_dict())
+    old, new = source.tokenizer.get_vocab(), tokenizer.get_vocab()
+    try:
+        state = extend_state(source.model.state_dict(), model.state_dict(), old, new)
+    except ValueError as error:
+        raise ValueError(f"{path}: its tokenizer is not the scene tokenizer ({error})") from None
+    model.load_state_dict(state)
 
 
 def export_model(model, tokenizer, out_dir: str | Path, pixel_budget: int,
@@ -174,7 +188,7 @@ class Trainer:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda requested but CUDA is not available")
         torch.set_num_threads(cfg.threads)
-        self.tokenizer = scene_tokenizer()
+        self.tokenizer = scene_tokenizer(cfg.extended)
         self.model = new_model(cfg, self.tokenizer).to(self.device)
         select_gated_delta_kernels(self.model, self.device)
         self.builder = ChunkBuilder.for_model(self.model, self.tokenizer, cfg.pixel_budget)
@@ -187,11 +201,12 @@ class Trainer:
              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
         hidden = self.model.config.text_config.hidden_size
         embeddings = self.model.model.language_model.embed_tokens.weight
+        colours, shapes = identities(cfg.extended)
         word_ids = torch.tensor([self.tokenizer.convert_tokens_to_ids(f" {w}")
-                                 for w in (*SHAPES, *COLOURS)], device=self.device)
+                                 for w in (*shapes, *colours)], device=self.device)
         tied = cfg.vision_pretrain.tied
-        self.vision_head = VisionHead(hidden, (lambda: embeddings[word_ids]) if tied else None
-                                      ).to(self.device)
+        self.vision_head = VisionHead(hidden, (lambda: embeddings[word_ids]) if tied else None,
+                                      (len(shapes), len(colours))).to(self.device)
         self.vision_optim = torch.optim.AdamW(
             [{"params": [*self.model.model.visual.parameters(),
                          *self.vision_head.parameters()]},
@@ -259,10 +274,13 @@ class Trainer:
         cfg = self.cfg
         stage = cfg.stages[self.stage_index]
         rng = np.random.default_rng((cfg.seed, self.step))
+        if stage.mix and rng.random() < stage.mix:  # a step of an earlier stage's kind
+            stage = cfg.stages[stage.mix_stage]
         seconds = int(rng.integers(stage.seconds[0], stage.seconds[1] + 1))
         base = TRAIN_SEEDS + (cfg.seed * 10**7 + self.step) * cfg.batch
-        batch = make_batch(self.builder, self.layout, cfg, list(range(base, base + cfg.batch)),
-                           seconds, stage.options(), cfg.questions, stage.forms)
+        seeds = list(range(base, base + (stage.batch or cfg.batch)))
+        batch = make_batch(self.builder, self.layout, cfg, seeds, seconds, stage.options(),
+                           stage.questions or cfg.questions, stage.forms)
         self.model.train()
         loss, hits = loss_and_hits(forward(self.model, batch, self.device), batch)
         self.optim.zero_grad(set_to_none=True)
