@@ -27,7 +27,7 @@ import torch
 import transformers
 from transformers import Qwen3_5ForConditionalGeneration
 
-from deltas_ros.core.config import MemoryConfig
+from deltas_ros.core.config import NODE_NAME, MemoryConfig
 from deltas_ros.core.kernels import select_gated_delta_kernels
 from deltas_ros.core.loader import LoadedModel, default_dtype, load_model, resolve_model_path
 from deltas_ros.core.maker import (
@@ -36,7 +36,6 @@ from deltas_ros.core.maker import (
     make_tokenizer,
     tiny_config,
 )
-from deltas_ros.runtime.params import NODE_NAME
 
 if TYPE_CHECKING:
     from deltas_ros.core.memory import StreamingMemory

@@ -17,7 +17,7 @@ import time
 import urllib.request
 from collections import Counter
 
-from deltas_ros.runtime.params import DEFAULT_NODE
+from deltas_ros.core.config import DEFAULT_NODE
 
 from .common import REPO, stop_process
 

@@ -21,11 +21,11 @@ import pytest
 from ros_helpers import Tester as NodeTester  # not "Test*": pytest would try to collect it
 from ros_helpers import node_command, stop
 
-from deltas_ros.core.bag import load_events
 from deltas_ros.core.decode import FrameError
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.ros.replay import replay_bag
 from deltas_ros.tools import cli
+from deltas_ros.tools.bag import load_events, open_images
 from deltas_ros.tools.offline import open_source, read_results, run_stream
 from deltas_ros.training.synth import synth_stream, write_synth_bag
 
@@ -213,7 +213,7 @@ def test_offline_run_and_the_live_node_are_one_engine(deltas_run, bag, tiny_mode
     tester = NodeTester(topic=TOPIC)
     try:
         tester.wait_ready(process)
-        replay_bag(bag, rate=1.0)
+        replay_bag(open_images(bag), rate=1.0)
         # A fresh node's first chunks pay one-time costs: minutes on a loaded 2-core machine.
         tester.wait_for(lambda: len(tester.drift) >= len(offline), timeout=120)
         time.sleep(0.5)  # anything extra would arrive now

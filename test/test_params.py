@@ -8,9 +8,7 @@ import yaml
 
 from deltas_ros.core.config import MemoryConfig
 from deltas_ros.core.loader import SHIPPED_MODEL, resolve_pixel_budget
-from deltas_ros.runtime import params
-from deltas_ros.tools import params_doc
-from deltas_ros.tools.cli import main
+from deltas_ros.runtime import params, params_doc
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = {"model_path": "/models/qwen"}
@@ -97,23 +95,24 @@ def test_cuda_index_is_a_valid_device():
 
 
 def test_the_yaml_file_is_the_one_the_table_writes():
-    """Descriptions and defaults live in runtime/params.py only: `deltas-ros params --yaml`
-    writes config/deltas.yaml."""
+    """Descriptions and defaults live in runtime/params.py only: params_doc writes
+    config/deltas.yaml (`python -m deltas_ros.runtime.params_doc --yaml`)."""
     assert (REPO / "config" / "deltas.yaml").read_text() == params_doc.render_yaml()
 
 
 def test_the_parameters_page_holds_the_table_the_parameters_write():
-    """`deltas-ros params --markdown` writes the table between the page's markers."""
+    """params_doc writes the table between the page's markers."""
     page = (REPO / "docs" / "parameters.md").read_text()
     assert params_doc.written_table(page) == params_doc.render_markdown()
     assert all(f"`{p.name}`" in page for p in params.PARAMS)
 
 
-def test_the_command_prints_both_forms(capsys):
-    assert main(["params", "--yaml"]) == 0
+def test_the_generator_prints_both_forms(capsys):
+    assert params_doc.main(["--yaml"]) == 0
     assert capsys.readouterr().out == params_doc.render_yaml()
-    assert main(["params", "--markdown"]) == 0
+    assert params_doc.main(["--markdown"]) == 0
     assert capsys.readouterr().out == params_doc.render_markdown()
+    assert params_doc.main([]) == 2
 
 
 def test_a_memory_config_from_a_mapping_refuses_unknown_names():

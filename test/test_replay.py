@@ -19,6 +19,7 @@ from sensor_msgs.msg import Image
 
 from deltas_ros.ros import replay
 from deltas_ros.ros.replay import replay_bag
+from deltas_ros.tools.bag import open_images
 from deltas_ros.training.synth import write_synth_bag
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ def subscriber_for(tmp_path: Path, count: int, env: dict[str, str]) -> subproces
 def test_replay_delivers_every_frame_in_order_at_rate(bag, rate, tmp_path, ros_env):
     subscriber = subscriber_for(tmp_path, FRAMES, ros_env)
     try:
-        stats = replay_bag(bag, rate=rate, wait_for_subscribers_s=15.0)
+        stats = replay_bag(open_images(bag), rate=rate, wait_for_subscribers_s=15.0)
         got = received(subscriber)
     finally:
         stop(subscriber)
@@ -254,8 +255,8 @@ def test_a_stop_signal_during_a_publish_still_counts_that_frame(bag):
     stats = {"published": {TOPIC: 0}, "late_ms_max": 0.0}
     try:
         with pytest.raises(KeyboardInterrupt, match="SIGINT"):
-            replay.play_once(bag, 100.0, {TOPIC: SignalledWhilePublishing()}, None, None,
-                              stats)
+            replay.play_once(open_images(bag), 100.0, {TOPIC: SignalledWhilePublishing()},
+                             None, None, stats)
     finally:
         replay.STOP.clear()
     assert stats["published"][TOPIC] == len(sent) == 3
@@ -267,17 +268,18 @@ def test_a_stop_request_never_unwinds_through_the_bag_reader(bag, monkeypatch):
     reader's exec'd code, after which CPython killed the caught-and-finished replay with
     SIGINT at exit (rc -2). A request made while the reader runs is acted on by replay's own
     code, after the reader returned its frame."""
-    real = replay.read_images
+    source = open_images(bag)
+    real = source.images
 
-    def reader_signalled(path, topics):
+    def reader_signalled():
         replay.STOP.request("SIGINT")  # lands while the bag is being opened
-        yield from real(path, topics)
+        yield from real()
 
-    monkeypatch.setattr(replay, "read_images", reader_signalled)
+    monkeypatch.setattr(source, "images", reader_signalled)
     stats = {"published": {TOPIC: 0}, "late_ms_max": 0.0}
     try:
         with pytest.raises(KeyboardInterrupt) as raised:
-            replay.play_once(bag, 1.0, {TOPIC: None}, None, None, stats)
+            replay.play_once(source, 1.0, {TOPIC: None}, None, None, stats)
     finally:
         replay.STOP.clear()
     assert raised.traceback[-1].name == "check" and stats["published"][TOPIC] == 0

@@ -1,5 +1,5 @@
-"""The synth camera stream and its rosbag2 bags: readable by rclpy and `deltas_ros.core.bag`, exact
-stamps, round-tripping pixels, events that really are in the pixels, and clear errors."""
+"""The synth camera stream and its rosbag2 bags: readable by rclpy and `deltas_ros.tools.bag`,
+exact stamps, round-tripping pixels, events that really are in the pixels, and clear errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import cv2
 import numpy as np
 import pytest
 
-from deltas_ros.core.bag import BagImage, image_topics, load_events, read_images
+from deltas_ros.tools.bag import BagImage, image_topics, load_events, read_images
 from deltas_ros.tools.cli import main
 from deltas_ros.training.synth import synth_stream, write_synth_bag
 

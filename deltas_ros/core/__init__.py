@@ -3,6 +3,6 @@
 Frame gate (`frames`), chunks and their prompt (`chunks`, `prompt`, `rope`), the model door
 (`backend`, `loader`, `maker`), the drift signal (`drift`), the retention policies (`policy`),
 the memory and its slot table (`memory`, `slots`, `config`, `results`), asking (`asking`),
-persistence (`persistence`, `state_check`), poses, recorded streams (`bag`) and the memory
-plan (`plan`). It imports nothing else of this package.
+persistence (`persistence`, `state_check`), poses and the memory plan (`plan`). It imports
+nothing else of this package.
 """

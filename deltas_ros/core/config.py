@@ -19,6 +19,14 @@ POLICY_NAMES = ("deltas", "recency", "uniform", "random", "value_norm", "key_nor
                 "beta_error", "pixel_difference")
 # Pixels per frame after resizing (aspect kept): 320x320 gives ~100 tokens per 2-frame chunk.
 DEFAULT_PIXEL_BUDGET = 320 * 320
+# The weights' types a model can be loaded in ("auto": bf16 on CUDA, float32 on CPU).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The memory node's name, and its full name when started without a namespace (the default of
+# every client: ask, dashboard, benchmarks).
+NODE_NAME = "deltas_memory"
+DEFAULT_NODE = f"/{NODE_NAME}"
+# How long a question may wait: the node's ask_timeout_s, the ask client's and the dashboard's.
+ASK_TIMEOUT_S = 120.0
 
 
 class ChunkFailed(RuntimeError):

@@ -21,7 +21,7 @@ from geometry_msgs.msg import PoseStamped
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
-from ..runtime.params import ASK_TIMEOUT_S, DEFAULT_NODE
+from ..core.config import ASK_TIMEOUT_S, DEFAULT_NODE
 from ..srv import AskMemory
 from .fleet import RobotAnswer, ask_fleet, discover, format_fleet, robot_dict
 

@@ -22,8 +22,8 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image
 
 from ..action import AskMemory
+from ..core.config import ASK_TIMEOUT_S, DEFAULT_NODE
 from ..msg import DriftScore, MemoryChunks
-from ..runtime.params import ASK_TIMEOUT_S, DEFAULT_NODE
 from .dashboard_access import check_bind, read_token
 from .dashboard_body import Question
 from .dashboard_http import DashboardHttp

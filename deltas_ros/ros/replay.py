@@ -1,19 +1,19 @@
 """Publishing a bag's camera topics live with rclpy, where `ros2 bag play` is not available.
 
 Each message's stored CDR bytes are published unchanged, on the recorded time line scaled by
-`rate`, so a subscriber receives exactly what was recorded. Only image topics are replayed; the
-bag is read through `deltas_ros.core.bag`, so MCAP and sqlite3 bags both work.
+`rate`, so a subscriber receives exactly what was recorded. Only image topics are replayed. The
+caller reads the bag (`deltas-ros replay` through tools/bag.py, so MCAP and sqlite3 bags both
+work) and hands over its images; this side only publishes them.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import itertools
-import json
 import signal
 import time
-from pathlib import Path
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import rclpy
 from rclpy.context import Context
@@ -23,12 +23,20 @@ from rclpy.publisher import Publisher
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from rosgraph_msgs.msg import Clock
 
-from ..core.bag import image_topics, read_images
-
 NS_PER_S = 1_000_000_000
 ACK_TIMEOUT_S = 2.0
 # Longest sleep between two looks at a stop request: how soon Ctrl-C acts.
 SLEEP_SLICE_S = 0.05
+
+
+class ImageSource(Protocol):
+    """What replay publishes (tools/bag.py's BagImages): topic -> message type, and a fresh
+    pass over their messages in log-time order, each with `topic`, `log_time_ns` (the bag time
+    replay follows) and `rawdata` (the CDR bytes as stored)."""
+
+    topics: dict[str, str]
+
+    def images(self) -> Iterator[Any]: ...
 
 
 def message_class(msgtype: str) -> type:
@@ -53,17 +61,16 @@ def _wait_for_subscribers(node: Node, publishers: dict[str, Publisher], timeout_
 
 
 def replay_bag(
-    path: str | Path,
+    source: ImageSource,
     rate: float = 1.0,
     loop: bool = False,
     publish_clock: bool = False,
-    topics: list[str] | None = None,
     wait_for_subscribers_s: float = 10.0,
     node: Node | None = None,
     max_loops: int | None = None,
     reliable: bool = True,
 ) -> dict:
-    """Publish the bag's image topics on the recorded time line; returns what was done.
+    """Publish the source's image topics on the recorded time line; returns what was done.
 
     Message i is due at wall0 + (t_i - t_first) / rate, t being the bag log time. With `loop`
     the bag repeats (at most `max_loops` passes) and its stamps jump back at each pass, as a
@@ -78,9 +85,7 @@ def replay_bag(
         raise ValueError(f"rate must be > 0, not {rate}")
     if max_loops is not None and max_loops < 1:
         raise ValueError(f"max_loops must be >= 1, not {max_loops}")
-    read_images(path, topics)  # checks the bag and topics: clear errors before any ROS setup
-    types = image_topics(path)
-    selected = {topic: types[topic] for topic in topics or types}
+    selected = source.topics
     qos = (
         QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         if reliable
@@ -111,7 +116,7 @@ def replay_bag(
         start, wall0 = time.monotonic(), None
         while True:
             STOP.check()
-            wall0 = play_once(path, rate, publishers, clock, wall0, stats)
+            wall0 = play_once(source, rate, publishers, clock, wall0, stats)
             stats["loops"] += 1
             if not loop or (max_loops is not None and stats["loops"] >= max_loops):
                 break
@@ -135,16 +140,16 @@ def replay_bag(
 
 
 def play_once(
-    path: str | Path,
+    source: ImageSource,
     rate: float,
     publishers: dict[str, Publisher],
     clock: Publisher | None,
     wall0: float | None,
     stats: dict,
 ) -> float:
-    """One pass over the bag, its first message due at `wall0` (None: now, once the bag is
+    """One pass over the source, its first message due at `wall0` (None: now, once the bag is
     open); returns when the next pass is due: one mean frame interval after its last message."""
-    images = read_images(path, list(publishers))
+    images = source.images()
     first = next(images, None)  # opening the bag takes time: do it before the clock starts
     if first is None:
         return time.monotonic()
@@ -227,20 +232,3 @@ def stop_on_signals() -> None:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)
-
-
-def replay_command(args: argparse.Namespace) -> int:
-    """`deltas-ros replay`: publish a bag's camera topics live and print what was published."""
-    stop_on_signals()
-    stats = replay_bag(
-        args.bag,
-        rate=args.rate,
-        loop=args.loop or args.max_loops is not None,
-        publish_clock=args.clock,
-        topics=args.topic,
-        max_loops=args.max_loops,
-        reliable=not args.best_effort,
-        wait_for_subscribers_s=args.wait,
-    )
-    print(json.dumps(stats))
-    return 0

@@ -3,9 +3,8 @@
 The node declares every parameter from this table; the defaults it shares with the engine come
 from core/config.py (MemoryConfig, StreamConfig). Each description is written here only:
 config/deltas.yaml and the table in docs/parameters.md are generated from it
-(`deltas-ros params --yaml / --markdown`; test_params.py checks both). `validate` refuses bad
-values with a reason a user can act on. No rclpy and no torch here: the rules are tested
-without a ROS graph, and the ask client reads its defaults cheaply.
+(runtime/params_doc.py; test_params.py checks both). `validate` refuses bad values with a
+reason a user can act on. No rclpy here, so the rules are tested without a ROS graph.
 """
 
 from __future__ import annotations
@@ -13,15 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..core.config import POLICY_NAMES, MemoryConfig, StreamConfig
-
-NODE_NAME = "deltas_memory"
-DEFAULT_NODE = f"/{NODE_NAME}"  # the node's full name when started without a namespace
-ASK_TIMEOUT_S = 120.0  # how long a question may wait: the node's, the ask client's, the page's
+from ..core.config import ASK_TIMEOUT_S, DTYPES, POLICY_NAMES, MemoryConfig, StreamConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 MIN_PIXEL_BUDGET = 32 * 32
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 POSE_TYPES = ("odometry", "pose_stamped", "pose_with_covariance")
 KINDS = {bool: "true or false", int: "an integer", float: "a decimal number (2.0, not 2)",
          str: "a string"}

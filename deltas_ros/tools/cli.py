@@ -17,7 +17,6 @@
     deltas-ros plot RESULTS [RESULTS ...] [--out plot.png]
     deltas-ros ask "question" [--node /deltas_memory | --all [--json] [--discovery 3]]
                    [--max-new-tokens N] [--timeout 120] [--wait-idle]
-    deltas-ros params --yaml | --markdown
     deltas-ros train [--config config/train_tiny.yaml] [--out out/train] [--resume]
                      [--device cpu|cuda] [--seed N] [--max-minutes M] [--max-steps N]
 """
@@ -29,8 +28,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..core.config import MemoryConfig, StreamConfig
-from ..runtime.params import ASK_TIMEOUT_S, DEFAULT_NODE, DTYPES
+from ..core.config import ASK_TIMEOUT_S, DEFAULT_NODE, DTYPES, MemoryConfig, StreamConfig
 
 # `run`'s options that set the MemoryConfig field of the same name (their dest).
 RUN_CONFIG = ("budget_tokens", "sink_tokens", "window_tokens", "buckets", "policy",
@@ -56,9 +54,9 @@ def make_model_command(args: argparse.Namespace) -> int:
 
 def synth_command(args: argparse.Namespace) -> int:
     """Write a generated camera stream with known events as a rosbag2 (plus events.json)."""
-    from ..core.bag import load_events
     from ..training.scenes import BUSY, SceneOptions
     from ..training.synth import write_synth_bag
+    from .bag import load_events
 
     scenes = BUSY if args.busy else SceneOptions() if args.scenes else None
     out = write_synth_bag(args.out_bag, scenes=scenes,
@@ -72,9 +70,23 @@ def synth_command(args: argparse.Namespace) -> int:
 
 def replay_command(args: argparse.Namespace) -> int:
     """Publish a bag's camera topics live on the recorded time line (like `ros2 bag play`)."""
-    from ..ros.replay import replay_command as run
+    import json
 
-    return run(args)
+    from ..ros.replay import replay_bag, stop_on_signals
+    from .bag import open_images
+
+    stop_on_signals()
+    stats = replay_bag(
+        open_images(args.bag, args.topic),  # a bad bag or topic fails before any ROS set-up
+        rate=args.rate,
+        loop=args.loop or args.max_loops is not None,
+        publish_clock=args.clock,
+        max_loops=args.max_loops,
+        reliable=not args.best_effort,
+        wait_for_subscribers_s=args.wait,
+    )
+    print(json.dumps(stats))
+    return 0
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -212,15 +224,6 @@ def dashboard_command(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     return serve(args.node, args.host, args.port, args.token, args.token_file,
                  tuple(args.allow_host))
-
-
-def params_command(args: argparse.Namespace) -> int:
-    """Print the node's parameters as config/deltas.yaml, or as the table of the parameters
-    page (docs/parameters.md), from the one parameter table."""
-    from .params_doc import render_markdown, render_yaml
-
-    print(render_markdown() if args.markdown else render_yaml(), end="")
-    return 0
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -399,12 +402,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a Host name the page may be reached by, beside the bound address "
                            "and localhost (repeatable; e.g. the robot's DNS name)")
     dash.set_defaults(run=dashboard_command)
-
-    params = commands.add_parser("params", help=params_command.__doc__)
-    form = params.add_mutually_exclusive_group(required=True)
-    form.add_argument("--yaml", action="store_true", help="the parameters file, every default")
-    form.add_argument("--markdown", action="store_true", help="the parameters page's table")
-    params.set_defaults(run=params_command)
 
     train = commands.add_parser("train", help=train_command.__doc__)
     train.add_argument("--config", default="config/train_tiny.yaml", help="training config")

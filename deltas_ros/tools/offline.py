@@ -31,14 +31,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import cv2
 import numpy as np
-from rosbags.rosbag2 import Reader
 from tqdm import tqdm
 
-from ..core.bag import image_topics, load_events, read_images
 from ..core.config import StreamConfig
 from ..core.decode import FrameError, decode_message, message_stamp
 from ..core.frames import FrameGate, FrameSampler, TimeEvent
 from ..core.results import ChunkRecord
+from .bag import image_topics, load_events, message_count, read_images
 
 if TYPE_CHECKING:  # the memory (torch, the model) is not needed to read or plot results
     from ..core.memory import StreamingMemory
@@ -82,7 +81,7 @@ def open_source(path: str | Path, topic: str | None = None) -> FrameSource:
     if path.is_dir():
         topic = _bag_topic(path, topic)
         return FrameSource("bag", path, _bag_frames(path, topic), topic=topic,
-                           total_frames=_bag_count(path, topic), events=load_events(path))
+                           total_frames=message_count(path, topic), events=load_events(path))
     if topic is not None:
         raise ValueError(f"--topic applies to bags only; {path} is a video file")
     capture, fps = _open_video(path)
@@ -102,11 +101,6 @@ def _bag_topic(path: str | Path, topic: str | None) -> str:
     if len(topics) > 1:
         raise ValueError(f"bag {path} has several image topics {topics}: choose one with --topic")
     return topics[0]
-
-
-def _bag_count(path: Path, topic: str) -> int:
-    with Reader(path) as reader:
-        return sum(c.msgcount for c in reader.connections if c.topic == topic)
 
 
 def _bag_frames(path: str | Path, topic: str) -> Iterator[Frame]:

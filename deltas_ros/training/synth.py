@@ -21,11 +21,11 @@ import numpy as np
 from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
 
-from ..core.bag import EVENTS_FILE
 from .palette import COLOURS, NOISE_AMPLITUDE, NOISE_BANK, SHAPES, TINTS, background
 from .scenes import SceneOptions, scene_stream
 
 NS_PER_S = 1_000_000_000
+EVENTS_FILE = "events.json"  # the known events, beside the bag's files
 CUT_PROBABILITY = 0.3
 
 

@@ -1,8 +1,8 @@
 """config/deltas.yaml and the table of docs/parameters.md, written from the node's parameter
 table (runtime/params.py), so each parameter's default and description exist once.
 
-    deltas-ros params --yaml > config/deltas.yaml
-    deltas-ros params --markdown   # the table between the markers of docs/parameters.md
+    python -m deltas_ros.runtime.params_doc --yaml > config/deltas.yaml
+    python -m deltas_ros.runtime.params_doc --markdown  # the table in docs/parameters.md
 
 test_params.py fails when either file differs from what these functions write.
 """
@@ -10,18 +10,19 @@ test_params.py fails when either file differs from what these functions write.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
-from ..runtime.params import PARAMS, Param
+from .params import PARAMS, Param
 
 YAML_HEAD = """\
-# Parameters of the deltas_memory node, written by `deltas-ros params --yaml` from
-# deltas_ros/runtime/params.py (edit the descriptions and defaults there).
+# Parameters of the deltas_memory node, written from deltas_ros/runtime/params.py by
+# `python -m deltas_ros.runtime.params_doc --yaml` (edit the descriptions and defaults there).
 # `/**` applies them whatever the node's name or namespace.
 /**:
   ros__parameters:
 """
-TABLE_BEGIN = "<!-- the table is written by `deltas-ros params --markdown` -->"
+TABLE_BEGIN = "<!-- written by `python -m deltas_ros.runtime.params_doc --markdown` -->"
 TABLE_END = "<!-- end of the written table -->"
 
 
@@ -69,3 +70,18 @@ def written_table(document: str) -> str:
     if begin < 0 or end < begin:
         return ""
     return document[begin:end + len(TABLE_END)] + "\n"
+
+
+def main(argv: list[str]) -> int:
+    """--yaml: print the parameters file; --markdown: the page's table."""
+    forms = {"--yaml": render_yaml, "--markdown": render_markdown}
+    if len(argv) != 1 or argv[0] not in forms:
+        print("usage: python -m deltas_ros.runtime.params_doc --yaml | --markdown",
+              file=sys.stderr)
+        return 2
+    print(forms[argv[0]](), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

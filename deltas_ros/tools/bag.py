@@ -1,7 +1,8 @@
 """Reading camera images from a rosbag2 directory (MCAP or sqlite3) with `rosbags`, without rclpy.
 
-Offline tools and tests read recorded or generated camera streams here; `replay` republishes the
-raw CDR bytes kept in each `BagImage`, so a live subscriber sees exactly what was recorded.
+Offline runs and tests read recorded or generated camera streams here; `deltas-ros replay` hands
+ros/replay.py a `BagImages`, whose passes it republishes as the raw CDR bytes kept in each
+`BagImage`, so a live subscriber sees exactly what was recorded.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 from rosbags.rosbag2 import Reader, ReaderError
 from rosbags.typesys import Stores, get_typestore
 
+from ..training.synth import EVENTS_FILE
+
 IMAGE_TYPES = ("sensor_msgs/msg/Image", "sensor_msgs/msg/CompressedImage")
-EVENTS_FILE = "events.json"  # known events beside a bag (synth.py writes it)
 
 
 @dataclass
@@ -52,6 +54,12 @@ def _open(path: str | Path) -> Iterator[Reader]:
         reader.close()
 
 
+def message_count(path: str | Path, topic: str) -> int:
+    """How many messages the bag holds on `topic` (from its index, nothing decoded)."""
+    with _open(path) as reader:
+        return sum(c.msgcount for c in reader.connections if c.topic == topic)
+
+
 def _image_connections(reader: Reader) -> dict[str, str]:
     return {c.topic: c.msgtype for c in reader.connections if c.msgtype in IMAGE_TYPES}
 
@@ -62,20 +70,35 @@ def image_topics(path: str | Path) -> dict[str, str]:
         return _image_connections(reader)
 
 
-def read_images(path: str | Path, topics: list[str] | None = None) -> Iterator[BagImage]:
-    """The bag's image messages (all image topics, or `topics`) in log-time order.
+@dataclass(frozen=True)
+class BagImages:
+    """Chosen image topics of a bag, read afresh on each pass (a looping replay takes several)."""
 
-    Checks the bag before returning the iterator: FileNotFoundError / ValueError, naming the path,
-    for a missing or unreadable bag, a bag without image topics, or a requested topic that is not
-    one of its image topics.
-    """
+    path: Path
+    topics: dict[str, str]  # topic -> message type
+
+    def images(self) -> Iterator[BagImage]:
+        """One pass over the topics' messages in log-time order."""
+        return _messages(self.path, set(self.topics))
+
+
+def open_images(path: str | Path, topics: list[str] | None = None) -> BagImages:
+    """The bag's image topics (all, or `topics`), checked before any message is read:
+    FileNotFoundError / ValueError, naming the path, for a missing or unreadable bag, a bag
+    without image topics, or a requested topic that is not one of its image topics."""
     available = image_topics(path)
     if not available:
         raise ValueError(f"no Image or CompressedImage topic in bag {path}")
     missing = sorted(set(topics or ()) - set(available))
     if missing:
         raise ValueError(f"not image topics of bag {path}: {missing} (it has {sorted(available)})")
-    return _messages(path, set(topics or available))
+    return BagImages(Path(path), {topic: available[topic] for topic in topics or available})
+
+
+def read_images(path: str | Path, topics: list[str] | None = None) -> Iterator[BagImage]:
+    """The bag's image messages (all image topics, or `topics`) in log-time order, the bag
+    checked first (open_images)."""
+    return open_images(path, topics).images()
 
 
 def _messages(path: str | Path, topics: set[str]) -> Iterator[BagImage]:
