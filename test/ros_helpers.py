@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import rclpy
@@ -81,14 +82,13 @@ class Tester:
         rclpy.init(context=self.context)
         self.node = Node("tester", context=self.context)
         self.lock = threading.Lock()
-        self.drift: list[DriftScore] = []
-        self.diagnostics: list[DiagnosticArray] = []
         self.published = 0  # camera frames this tester published
         msg_type = CompressedImage if compressed else Image
         self.camera = self.node.create_publisher(msg_type, topic, camera_qos)
         self.clock = self.node.create_publisher(Clock, "/clock", 10)
-        self.node.create_subscription(DriftScore, f"{namespace}/drift", self._on_drift, 100)
-        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 10)
+        self.drift: list[DriftScore] = self.collecting(DriftScore, f"{namespace}/drift", 100)
+        self.diagnostics: list[DiagnosticArray] = self.collecting(DiagnosticArray,
+                                                                  "/diagnostics", 10)
         self.ask_client = self.node.create_client(AskMemory, f"{namespace}/ask_memory")
         self.reset_client = self.node.create_client(Trigger, f"{namespace}/reset_memory")
         self.params_client = self.node.create_client(SetParameters,
@@ -113,13 +113,16 @@ class Tester:
         except ExternalShutdownException:
             pass
 
-    def _on_drift(self, msg: DriftScore) -> None:
-        with self.lock:
-            self.drift.append(msg)
+    def collecting(self, msg_type: type, topic: str, qos: QoSProfile | int) -> list:
+        """The list that every message on `topic` is appended to (under `lock`)."""
+        received: list = []
 
-    def _on_diag(self, msg: DiagnosticArray) -> None:
-        with self.lock:
-            self.diagnostics.append(msg)
+        def keep(msg: Any) -> None:
+            with self.lock:
+                received.append(msg)
+
+        self.node.create_subscription(msg_type, topic, keep, qos)
+        return received
 
     def wait_ready(self, process: subprocess.Popen, timeout: float = 180.0) -> None:
         """Until the model is loaded (an empty question is refused as empty, not "not ready")

@@ -72,29 +72,14 @@ class MemoryTester(Tester):
     def __init__(self) -> None:
         super().__init__()
         self.pose_pub = self.node.create_publisher(PoseStamped, "/robot_pose", 100)
-        self.images: list[Image] = []
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        self.node.create_subscription(Image, "/deltas_memory/memory_image", self._on_image,
-                                      latched)
-        self.held: list[MemoryChunks] = []
-        self.node.create_subscription(MemoryChunks, "/deltas_memory/memory_chunks",
-                                      self._on_held, latched)
-        self.markers: list[MarkerArray] = []
-        self.node.create_subscription(MarkerArray, "/deltas_memory/memory_markers",
-                                      self._on_markers, latched)
-
-    def _on_image(self, msg: Image) -> None:
-        with self.lock:
-            self.images.append(msg)
-
-    def _on_held(self, msg: MemoryChunks) -> None:
-        with self.lock:
-            self.held.append(msg)
-
-    def _on_markers(self, msg: MarkerArray) -> None:
-        with self.lock:
-            self.markers.append(msg)
+        self.images: list[Image] = self.collecting(Image, "/deltas_memory/memory_image",
+                                                   latched)
+        self.held: list[MemoryChunks] = self.collecting(
+            MemoryChunks, "/deltas_memory/memory_chunks", latched)
+        self.markers: list[MarkerArray] = self.collecting(
+            MarkerArray, "/deltas_memory/memory_markers", latched)
 
     def publish_pose(self, stamp: float) -> None:
         pose = expected_pose(stamp)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from deltas_ros.srv import AskMemory
+from rclpy.task import Future
 from ros_helpers import (
     PREFIX,
     StderrLog,
@@ -111,15 +112,22 @@ def test_a_signal_while_the_model_loads_exits_0_quickly(slow_model_dir, ros_doma
     assert "configured:" not in log and "listening to" not in log, log[-3000:]
 
 
+def ask_a_long_answer(tester: Tester, process: subprocess.Popen) -> Future:
+    """Once the node is ready, a 4096-token question asked; returns while its answer is being
+    written (the node's `serving` is "ask")."""
+    tester.wait_ready(process)
+    future = tester.ask_client.call_async(AskMemory.Request(question="describe everything",
+                                                            max_new_tokens=4096))
+    tester.wait_for_status(lambda s: status_values(s)["serving"] == "ask", timeout=60)
+    return future
+
+
 def test_a_signal_during_a_question_exits_0_quickly(tiny_model_dir, ros_domain):
     """A long answer (hundreds of tokens on the tiny model) is in progress when SIGINT comes."""
     process = start(tiny_model_dir, ros_domain, max_new_tokens="4096")
     tester = Tester()
     try:
-        tester.wait_ready(process)
-        future = tester.ask_client.call_async(AskMemory.Request(question="describe everything",
-                                                                max_new_tokens=4096))
-        tester.wait_for_status(lambda s: status_values(s)["serving"] == "ask", timeout=60)
+        future = ask_a_long_answer(tester, process)
         code, seconds, err = exit_after(process, signal.SIGINT)
     finally:
         tester.close()
@@ -139,10 +147,7 @@ def test_a_question_cut_by_lifecycle_transitions_then_sigint_exits_0(slow_model_
     process = start(slow_model_dir, ros_domain, max_new_tokens="4096")
     tester = Tester()
     try:
-        tester.wait_ready(process)
-        future = tester.ask_client.call_async(AskMemory.Request(question="describe everything",
-                                                                max_new_tokens=4096))
-        tester.wait_for_status(lambda s: status_values(s)["serving"] == "ask", timeout=60)
+        future = ask_a_long_answer(tester, process)
         for label in transitions:
             assert tester.transition(label), label
         reply = wait_future(future, 30)

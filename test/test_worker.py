@@ -2,6 +2,7 @@
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,14 +61,20 @@ def make_worker(memory: FakeMemory, queue: int = 4):
     return worker, done
 
 
-def test_chunks_are_processed_in_order():
-    memory = FakeMemory()
+def run_chunks(memory: FakeMemory, count: int, reported: int) -> tuple[MemoryWorker, list[int]]:
+    """Chunks 0 to count - 1 through a worker with the gate open: (the worker, stopped once
+    `reported` chunks were reported, their indices)."""
     memory.gate.set()
     worker, done = make_worker(memory)
-    for i in range(4):
+    for i in range(count):
         worker.submit_chunk(chunk(i))
-    assert wait_until(lambda: len(done) >= 4)
+    assert wait_until(lambda: len(done) >= reported)
     worker.stop()
+    return worker, done
+
+
+def test_chunks_are_processed_in_order():
+    worker, done = run_chunks(FakeMemory(), 4, reported=4)
     assert done == [0, 1, 2, 3] and worker.counters.chunks_processed == 4
 
 
@@ -113,26 +120,28 @@ def test_questions_are_answered_between_chunks_before_waiting_chunks_in_arrival_
     assert [e for e in memory.log[:first_ask] if e[0] == "chunk"] == [("chunk", 0)]
 
 
-def test_reset_keeps_its_place_among_chunks():
-    memory = FakeMemory()
+def log_around(post: Callable[[MemoryWorker], None]) -> list[tuple]:
+    """The memory's log of chunk 0, of what `post(worker)` queues while chunk 0 is in progress
+    and chunk 1 waits to be submitted, and of chunk 1."""
+    memory = FakeMemory()  # gate closed: stuck in chunk 0
     worker, _ = make_worker(memory, queue=10)
     worker.submit_chunk(chunk(0))
-    worker.post(lambda memory: memory.reset(), "reset")
+    assert memory.busy.wait(5)
+    post(worker)
     worker.submit_chunk(chunk(1))
     memory.gate.set()
     assert wait_until(lambda: len(memory.log) >= 3)
     worker.stop()
-    assert memory.log == [("chunk", 0), ("reset",), ("chunk", 1)]
+    return memory.log
+
+
+def test_reset_keeps_its_place_among_chunks():
+    log = log_around(lambda worker: worker.post(lambda memory: memory.reset(), "reset"))
+    assert log == [("chunk", 0), ("reset",), ("chunk", 1)]
 
 
 def test_a_failing_chunk_is_counted_and_the_worker_goes_on():
-    memory = FakeMemory(fail_on={1})
-    memory.gate.set()
-    worker, done = make_worker(memory)
-    for i in range(3):
-        worker.submit_chunk(chunk(i))
-    assert wait_until(lambda: len(done) >= 2)
-    worker.stop()
+    worker, done = run_chunks(FakeMemory(fail_on={1}), 3, reported=2)
     assert done == [0, 2]
     assert worker.counters.chunks_failed == 1 and "out of memory" in worker.counters.last_error
 
@@ -240,17 +249,11 @@ def test_failures_are_counted_by_what_failed_and_caller_mistakes_are_not_failure
 
 
 def test_posted_operations_keep_their_place_and_coalesce():
-    memory = FakeMemory()  # gate closed: stuck in chunk 0
-    worker, _ = make_worker(memory, queue=10)
-    worker.submit_chunk(chunk(0))
-    assert memory.busy.wait(5)
-    assert worker.post(lambda mem: mem.log.append(("save",)), "autosave", coalesce=True)
-    assert not worker.post(lambda mem: mem.log.append(("save",)), "autosave", coalesce=True)
-    worker.submit_chunk(chunk(1))
-    memory.gate.set()
-    assert wait_until(lambda: len(memory.log) >= 3)
-    worker.stop()
-    assert memory.log == [("chunk", 0), ("save",), ("chunk", 1)]
+    def autosave_twice(worker: MemoryWorker) -> None:
+        assert worker.post(lambda mem: mem.log.append(("save",)), "autosave", coalesce=True)
+        assert not worker.post(lambda mem: mem.log.append(("save",)), "autosave", coalesce=True)
+
+    assert log_around(autosave_twice) == [("chunk", 0), ("save",), ("chunk", 1)]
 
 
 def test_discarding_drops_waiting_chunks_only_and_counts_them():

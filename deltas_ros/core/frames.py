@@ -138,12 +138,9 @@ class FrameSampler:
             raise ValueError(f"confirm_s must be finite and >= 0, got {confirm_s}")
         if confirm_frames < 2:  # one frame never moves the clock
             raise ValueError(f"confirm_frames must be >= 2, got {confirm_frames}")
-        self.fps = fps
-        self.frames_per_chunk = frames_per_chunk
-        self.max_gap_s = max_gap_s
-        self.tolerance_s = tolerance_s
-        self.confirm_s = confirm_s
-        self.confirm_frames = confirm_frames
+        self.fps, self.frames_per_chunk = fps, frames_per_chunk
+        self.max_gap_s, self.tolerance_s = max_gap_s, tolerance_s
+        self.confirm_s, self.confirm_frames = confirm_s, confirm_frames  # rule 3
         self.received = 0
         self.sampled = 0
         self.dropped_frames = 0

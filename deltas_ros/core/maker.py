@@ -68,40 +68,19 @@ CHAT_TEMPLATE = (
 )
 
 TINY_TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=8,
+    hidden_size=64, intermediate_size=128, num_hidden_layers=8,
     layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
     + ["full_attention"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4,
     max_position_embeddings=262144,
-    rope_parameters=dict(
-        rope_type="default",
-        rope_theta=10_000_000,
-        partial_rotary_factor=0.25,
-        mrope_interleaved=True,
-        mrope_section=[2, 1, 1],
-    ),
-    attn_output_gate=True,
-    tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000, partial_rotary_factor=0.25,
+                         mrope_interleaved=True, mrope_section=[2, 1, 1]),
+    attn_output_gate=True, tie_word_embeddings=False,
 )
-TINY_VISION = dict(
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    num_position_embeddings=2304,
-)
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)
 TINY_VISION_START_ID = 265  # specials right after the 256 byte tokens
 
 
