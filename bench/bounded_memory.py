@@ -22,7 +22,6 @@ later).
 
 from __future__ import annotations
 
-import argparse
 import gc
 from pathlib import Path
 from typing import Any
@@ -35,11 +34,10 @@ from deltas_ros.core.config import DEFAULT_PIXEL_BUDGET
 from deltas_ros.core.memory import StreamingMemory
 
 from .common import (
-    add_model_args,
-    add_stream_args,
     finish,
     md_table,
     start_stream_run,
+    stream_parser,
     synthetic_chunks,
     verdict,
 )
@@ -73,10 +71,8 @@ def default_budget_positions(memory: StreamingMemory, stream_s: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(parser)
-    add_stream_args(parser, chunks=3600, chunks_help="chunks (1 s of video each)", budget=256,
-                    window=64, pixel_budget=64 * 64, width=160, height=120)
+    parser = stream_parser(__doc__, chunks=3600, chunks_help="chunks (1 s of video each)",
+                           budget=256, window=64, pixel_budget=64 * 64, width=160, height=120)
     parser.add_argument("--sample-every", type=int, default=60, help="chunks between samples")
     args, results, memory = start_stream_run("bounded_memory", parser, argv)
     first_position = memory.next_position

@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     add_answers_args(parser)
     args, results, records, _ = run_answers("busy", parser, argv, evaluate)
-    table = aggregate(records)
-    results["table"] = table
+    results["table"] = table = aggregate(records)
     title = (f"The busy world with full memory: {Path(results['model']).name} on held-out busy "
              "streams")
     return finish(args.out, results, title, report(table, records))

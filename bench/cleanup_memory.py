@@ -28,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import REPO, finish, isolate_ros, md_table, parse, start_results
+from bench.common import (
+    finish,
+    isolate_ros,
+    md_table,
+    memory_node_command,
+    parse,
+    start_results,
+)
+from deltas_ros.core.config import DEFAULT_NODE
 from deltas_ros.runtime import params
 from deltas_ros.runtime.resources import memory_in_use
 from deltas_ros.runtime.session import Session
@@ -98,16 +106,12 @@ def node_cycles(args: argparse.Namespace, memory_dir: str) -> list[dict[str, dic
     overrides = {"model_path": args.model, "autostart": "false", "device": "cpu",
                  "pixel_budget": args.pixel_budget, "budget_tokens": 256, "window_tokens": 64,
                  "memory_dir": memory_dir, "reliable_qos": "true"}
-    command = [str(Path(sys.prefix) / "lib" / "deltas_ros" / "memory_node"), "--ros-args",
-               "-r", "__node:=deltas_memory", "--params-file",
-               str(REPO / "config" / "deltas.yaml")]
-    for key, value in overrides.items():
-        command += ["-p", f"{key}:={value}"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(memory_node_command(overrides), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
     rclpy.init()
     client = rclpy.create_node("cleanup_memory_bench")
-    change = client.create_client(ChangeState, "/deltas_memory/change_state")
-    ask = client.create_client(AskMemory, "/deltas_memory/ask_memory")
+    change = client.create_client(ChangeState, f"{DEFAULT_NODE}/change_state")
+    ask = client.create_client(AskMemory, f"{DEFAULT_NODE}/ask_memory")
     camera = client.create_publisher(Image, "/camera/image_raw", 10)
 
     def call(service, request):

@@ -107,6 +107,16 @@ def add_stream_args(parser: argparse.ArgumentParser, chunks: int, chunks_help: s
     parser.add_argument("--height", type=int, default=height)
 
 
+def stream_parser(doc: str, **stream_defaults: Any) -> argparse.ArgumentParser:
+    """The parser of a benchmark that streams synthetic chunks through one memory: described by
+    its docstring's first paragraph, with the model's options and the stream's (add_stream_args
+    with these defaults)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_model_args(parser)
+    add_stream_args(parser, **stream_defaults)
+    return parser
+
+
 def stream_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The add_stream_args options as the results record them."""
     return {"chunks": args.chunks, "budget": args.budget, "window": args.window,

@@ -51,6 +51,7 @@ from rclpy.executors import SingleThreadedExecutor
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import Image
 
+from deltas_ros.core.config import DEFAULT_NODE
 from deltas_ros.ros.messages import to_time_msg
 from deltas_ros.ros.node import NOT_READY
 from deltas_ros.training.questions import QA, TEMPLATES, answer_for, is_correct
@@ -73,7 +74,6 @@ from .common import (
 )
 
 TOPIC = "/bench/camera/image_raw"
-NAMESPACE = "/deltas_memory"
 CAMERA_FPS = 4.0  # twice the node's 2 fps sampler, as test_soak streams
 BASE_STAMP = 1_700_000_000.0
 ACCOUNTED = ("chunks_processed", "chunks_dropped", "chunks_discarded")
@@ -96,9 +96,9 @@ class Camera:
         self.published_s = 0.0  # stream time of the newest frame published
         self.camera = self.node.create_publisher(Image, TOPIC, 50)
         self.clock = self.node.create_publisher(Clock, "/clock", 10)
-        self.node.create_subscription(DriftScore, f"{NAMESPACE}/drift", self._on_drift, 200)
+        self.node.create_subscription(DriftScore, f"{DEFAULT_NODE}/drift", self._on_drift, 200)
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 10)
-        self.ask_client = self.node.create_client(AskMemory, f"{NAMESPACE}/ask_memory")
+        self.ask_client = self.node.create_client(AskMemory, f"{DEFAULT_NODE}/ask_memory")
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self.thread = threading.Thread(target=self.executor.spin, daemon=True)

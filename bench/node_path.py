@@ -17,7 +17,6 @@ and the largest peak after the first eviction / the first window's peak - 1.
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
@@ -27,13 +26,12 @@ from deltas_ros.core.memory import StreamingMemory
 
 from .bounded_memory import rss_bytes
 from .common import (
-    add_model_args,
-    add_stream_args,
     finish,
     md_table,
     median,
     percentile,
     start_stream_run,
+    stream_parser,
     synthetic_chunks,
     verdict,
 )
@@ -53,10 +51,9 @@ def sample(memory: StreamingMemory, chunk: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(parser)
-    add_stream_args(parser, chunks=400, chunks_help="chunks (1 s of video each)", budget=8192,
-                    window=1024, pixel_budget=320 * 320, width=640, height=480)
+    parser = stream_parser(__doc__, chunks=400, chunks_help="chunks (1 s of video each)",
+                           budget=8192, window=1024, pixel_budget=320 * 320, width=640,
+                           height=480)
     parser.add_argument("--ask-every", type=int, default=50, help="chunks between questions")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--sample-every", type=int, default=20, help="chunks between samples")

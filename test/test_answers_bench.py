@@ -5,18 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from bench_helpers import one_thread  # noqa: F401 (autouse)
 
 from bench import answers
-
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_wilson_interval():

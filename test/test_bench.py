@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from bench_helpers import one_thread  # noqa: F401 (autouse)
 
 from bench import (
     bounded_memory,
@@ -36,16 +37,6 @@ pytestmark = pytest.mark.slow
 
 TINY_STREAM = ["--pixel-budget", "4096", "--width", "160", "--height", "120"]
 
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """One torch thread, here and in child processes: on a busy 2-core machine two OpenMP threads
-    per process spin against each other and the tiny model gets ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(threads)
 
 
 def written(out: Path, name: str) -> dict[str, Any]:

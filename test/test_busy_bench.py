@@ -7,19 +7,10 @@ import json
 
 import numpy as np
 import pytest
-import torch
+from bench_helpers import one_thread  # noqa: F401 (autouse)
 
 from bench import busy, busy_misses, busy_retention
 from deltas_ros.training.questions import identities_of
-
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_questions_cover_every_object_and_unseen_pairs():

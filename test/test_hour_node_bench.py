@@ -7,23 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from bench_helpers import one_thread  # noqa: F401 (autouse)
 
 from bench import hour_node
 from deltas_ros.training.scenes import BUSY, SceneStream
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """One torch thread here and in the node: two per process spin against each other on a busy
-    2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_question_is_about_the_newest_object_shown_in_the_stretch_else_before_it():

@@ -41,8 +41,7 @@ PARAMS: tuple[Param, ...] = (
     Param("reliable_qos", False,
           "true: always subscribe reliable. false: follow the camera's publisher (reliable if "
           "it is, else best effort as REP 2003 sensor data; best effort until one appears)"),
-    Param("fps", StreamConfig.fps,
-          "Frames sampled per second of stream time (by header stamp)",
+    Param("fps", StreamConfig.fps, "Frames sampled per second of stream time (by header stamp)",
           low=0.1, high=30.0),
     Param("frames_per_chunk", StreamConfig.frames_per_chunk,
           "Sampled frames per chunk (a multiple of the model's temporal patch, 2)",

@@ -272,10 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--encoding", default="rgb8", choices=["rgb8", "jpeg"])
     synth.add_argument("--storage", default="mcap", choices=["mcap", "sqlite3"])
     synth.add_argument("--topic", default="/camera/image_raw")
-    synth.add_argument("--scenes", action="store_true",
-                       help="a scene stream: shapes the shipped model answers about")
-    synth.add_argument("--busy", action="store_true",
-                       help="a busy scene stream: up to 12 objects sharing shapes and colours")
+    for flag, text in (("--scenes", "a scene stream: shapes the shipped model answers about"),
+                       ("--busy", "a busy scene stream: up to 12 objects sharing shapes and "
+                                  "colours")):
+        synth.add_argument(flag, action="store_true", help=text)
     synth.set_defaults(run=synth_command)
 
     replay = commands.add_parser("replay", help=replay_command.__doc__)
