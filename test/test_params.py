@@ -97,13 +97,15 @@ def test_cuda_index_is_a_valid_device():
 def test_the_yaml_file_is_the_one_the_table_writes():
     """Descriptions and defaults live in runtime/params.py only: params_doc writes
     config/deltas.yaml (`python -m deltas_ros.runtime.params_doc --yaml`)."""
-    assert (REPO / "config" / "deltas.yaml").read_text() == params_doc.render_yaml()
+    assert (REPO / "config" / "deltas.yaml").read_text() == params_doc.render_yaml(), \
+        "rewrite it: python -m deltas_ros.runtime.params_doc --yaml > config/deltas.yaml"
 
 
 def test_the_parameters_page_holds_the_table_the_parameters_write():
     """params_doc writes the table between the page's markers."""
     page = (REPO / "docs" / "parameters.md").read_text()
-    assert params_doc.written_table(page) == params_doc.render_markdown()
+    assert params_doc.written_table(page) == params_doc.render_markdown(), \
+        "replace the table with: python -m deltas_ros.runtime.params_doc --markdown"
     assert all(f"`{p.name}`" in page for p in params.PARAMS)
 
 
