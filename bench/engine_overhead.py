@@ -19,7 +19,7 @@ How (medians over the chunks after --warmup; all timings synchronise CUDA):
   deltas_surprise), + StreamMem's proxy-query forward (StreamingMemory.saliency) for streammem.
   score() alone is the key/value norms, InfiniPot-V's key cosines or the pixel difference.
 - eviction ms: ChunkResult.evict_ms of each chunk that evicted, per eviction event: the choice
-  (select_runs for per-chunk policies, select_keep for per-token ones), the slot table and the
+  (select_keep over the slots), the slot table and the
   K/V moves into the evicted slots in every full-attention layer.
 - x deltas: each policy's signal and eviction per event over the deltas run's, same run.
 
@@ -40,14 +40,14 @@ from typing import Any
 
 import torch
 
-from deltas_ros.core.drift import stacked_drift, write_strength
+from deltas_ros.core.drift import drift_of_views, drift_views
+from deltas_ros.core.eviction_reference import gather_table
 from deltas_ros.core.kv_slots import move_slots
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.maker import config_from_file
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
-from deltas_ros.core.policy import POLICY_NAMES, select_keep, select_runs
-from deltas_ros.core.reference import gather_table
-from deltas_ros.core.signals import state_surprise, temporal_redundancy
+from deltas_ros.core.policy import POLICY_NAMES, EvictionLimits, select_keep
+from deltas_ros.core.signals import state_surprise, temporal_redundancy, write_strength
 from deltas_ros.core.slots import SlotTable
 from deltas_ros.training.synth import synth_stream
 
@@ -257,7 +257,7 @@ def micro(device: torch.device, dtype: torch.dtype, text, budget: int, chunk_tok
     def signal_now(states: list[torch.Tensor], new: list[torch.Tensor], layout) -> float:
         """The engine's signal in ms (Backend.snapshot + Backend.drift): one copy of the live
         row into the snapshot row, the chunk's states written into the live views (the
-        forward's own work, not timed), stacked_drift."""
+        forward's own work, not timed), the drift on the buffer's views."""
         buffer, live = layout
         torch._foreach_copy_(live, states)
         start = now(device)
@@ -265,20 +265,20 @@ def micro(device: torch.device, dtype: torch.dtype, text, budget: int, chunk_tok
         copied = now(device)
         torch._foreach_copy_(live, new)
         drift_start = now(device)
-        stacked_drift(buffer)
+        drift_of_views(*drift_views(buffer))
         return (copied - start + now(device) - drift_start) * 1e3
 
     work, tiny_work = stacked(before), stacked(tiny)
 
     signal, overhead, selection, gather, fill, previous = [], [], [], [], [], []
-    run_selection, by_runs = [], []
+    limits = EvictionLimits(budget, MICRO_SINKS, window, MICRO_BUCKETS)
     for rep in range(reps + 1):  # the first repetition warms up
         signal_ms = signal_now(before, after, work)
         overhead_ms = signal_now(tiny, tiny, tiny_work)
         t2 = now(device)
         previous_signal([s.clone() for s in before], after)
         t2b = now(device)
-        keep = select_keep(table.time, table.score, budget, MICRO_SINKS, window, MICRO_BUCKETS)
+        keep = select_keep(table.time, table.score, limits)
         t3 = now(device)
         keep_dev = keep.to(device)
         kept = [t.index_select(-2, keep_dev) for t in cache]
@@ -286,21 +286,12 @@ def micro(device: torch.device, dtype: torch.dtype, text, budget: int, chunk_tok
         t4 = now(device)
         del kept, slots  # freeing the gathered copies is part of neither timing
         t5 = now(device)
-        # The engine's choice by slots (per-token policies): only the evicted slots'
-        # replacements move, as slot ranges (keep_slots + move_slots).
+        # The engine's eviction: only the evicted slots' replacements move, as slot ranges
+        # (keep_slots + move_slots).
         size = keep.numel()
         slots, moves = table.keep_slots(keep)
         filled = move_slots(cache, moves, size, lambda index: index.to(device))
         t6 = now(device)
-        del filled, slots
-        # The engine's eviction under a per-chunk policy: runs chosen, slot ranges moved.
-        runs = table.runs()
-        kept_runs = select_runs([(r.length, r.time, r.score) for r in runs], budget,
-                                MICRO_SINKS, window, MICRO_BUCKETS)
-        t7 = now(device)
-        slots, moves = table.keep_runs(kept_runs)
-        filled = move_slots(cache, moves, size, lambda index: index.to(device))
-        t8 = now(device)
         del filled, slots
         if rep:
             signal.append(signal_ms)
@@ -309,8 +300,6 @@ def micro(device: torch.device, dtype: torch.dtype, text, budget: int, chunk_tok
             selection.append((t3 - t2b) * 1e3)
             gather.append((t4 - t3) * 1e3)
             fill.append((t6 - t5) * 1e3)
-            run_selection.append((t7 - t6) * 1e3)
-            by_runs.append((t8 - t7) * 1e3)
     state_mib = sum(s.nbytes for s in before) / 2**20
     kv_mib = sum(t.nbytes for t in cache) / 2**20 * budget / total
     return {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
@@ -322,8 +311,6 @@ def micro(device: torch.device, dtype: torch.dtype, text, budget: int, chunk_tok
             "gather_ms": median(gather), "fill_ms": median(fill),
             "evict_ms": median([s + g for s, g in zip(selection, gather)]),
             "evict_fill_ms": median([s + f for s, f in zip(selection, fill)]),
-            "select_runs_ms": median(run_selection), "runs_ms": median(by_runs),
-            "evict_runs_ms": median([s + f for s, f in zip(run_selection, by_runs)])
             } | micro_signals(device, text, chunk_tokens, reps)
 
 
@@ -363,14 +350,9 @@ def report(results: dict[str, Any], cuda: bool) -> str:
         [f"eviction: gather K and V ({m['kv_mib_at_budget']:.0f} MiB kept) + bookkeeping",
          f"{m['gather_ms']:.3f}", "", FLOOR_MS["gather"]],
         ["eviction total (gather)", f"{m['evict_ms']:.3f}", PAPER["evict_ms"], ""],
-        ["eviction: fill the evicted slots' holes, chosen by slots (keep_slots + move_slots)",
+        ["eviction: fill the evicted slots' holes (keep_slots + move_slots: the engine's)",
          f"{m['fill_ms']:.3f}", "", ""],
-        ["eviction total (fill)", f"{m['evict_fill_ms']:.3f}", PAPER["evict_ms"], ""],
-        ["eviction: select_runs over the runs of slots (the engine, per-chunk policies)",
-         f"{m['select_runs_ms']:.3f}", "", ""],
-        ["eviction: the same holes filled by slot ranges (keep_runs + move_slots)",
-         f"{m['runs_ms']:.3f}", "", ""],
-        ["eviction total (runs: the engine's)", f"{m['evict_runs_ms']:.3f}", PAPER["evict_ms"],
+        ["eviction total (fill: the engine's)", f"{m['evict_fill_ms']:.3f}", PAPER["evict_ms"],
          ""],
         [f"state surprise, all linear layers ({m['surprise_ms'] / m['signal_ms']:.1f}x the "
          "signal)", f"{m['surprise_ms']:.3f}", "", ""],
@@ -387,8 +369,8 @@ def report(results: dict[str, Any], cuda: bool) -> str:
              "a forward has replaced the caches' contents:\n\n")
     body += md_table(["operation", "in the stream ms", "back to back ms"], [
         ["signal: snapshot + drift", f"{d['engine_drift_ms']:.3f}", f"{t['signal_ms']:.3f}"],
-        ["eviction (runs): select_runs + keep_runs + K/V moves",
-         f"{d['evict_ms_per_event']:.3f}", f"{t['evict_runs_ms']:.3f}"],
+        ["eviction: select_keep + keep_slots + K/V moves",
+         f"{d['evict_ms_per_event']:.3f}", f"{t['evict_fill_ms']:.3f}"],
     ])
     return body
 
@@ -402,15 +384,15 @@ def checks(results: dict[str, Any], cuda: bool) -> list[dict[str, str]]:
         {"check": "eviction per event / forward (deltas run)",
          "measured": percent(deltas["evict_fraction"]), "target": "<= 1 %",
          "result": verdict(deltas["evict_fraction"] <= TARGETS["evict_fraction"])},
-        {"check": "eviction at 9B sizes, gather / the engine's (runs; same run)",
-         "measured": f"{m['evict_ms'] / m['evict_runs_ms']:.1f}x", "target": ">= 20x",
-         "result": verdict(m["evict_ms"] >= TARGETS["fill_speedup"] * m["evict_runs_ms"])},
+        {"check": "eviction at 9B sizes, gather / the engine's (fill; same run)",
+         "measured": f"{m['evict_ms'] / m['evict_fill_ms']:.1f}x", "target": ">= 20x",
+         "result": verdict(m["evict_ms"] >= TARGETS["fill_speedup"] * m["evict_fill_ms"])},
     ]
     absolute = [("DeltaS signal, model run", deltas["policy_signal_ms"], "signal_ms", None),
                 ("eviction per event, model run", deltas["evict_ms_per_event"], "evict_ms",
                  results["budget"]),
                 ("DeltaS signal, 9B-size tensors", m["signal_ms"], "signal_ms", None),
-                ("eviction (runs), 9B-size tensors", m["evict_runs_ms"], "evict_ms",
+                ("eviction (fill), 9B-size tensors", m["evict_fill_ms"], "evict_ms",
                  m["budget"])]
     for label, value, key, budget in absolute:
         target = f"<= {TARGETS[key]} ms on an H200, 9B bf16" + (", M=8192" if budget else "")

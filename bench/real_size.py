@@ -6,8 +6,8 @@ Why: every other table runs the tiny test model; the product runs Qwen3.5 0.8B t
 forward keeps up with a 2 fps camera (real-time factor), the signal's and the eviction's share
 of it, whether the process stays flat once M is reached, and what a question costs with and
 without evidence, on the evidence search's old path (one forward per candidate, each over a
-copy of the K/V without the chunk: `reference.leave_one_out`) and the path questions use (the
-candidates as rows of batched forwards over the cache as it is: `leave_one_out_batched`).
+copy of the K/V without the chunk: `asking_reference.leave_one_out`) and the path questions use
+(the candidates as rows of batched forwards over the cache as it is: `leave_one_out_batched`).
 
 How, per --dtypes (one model in memory at a time): the model is built in memory by
 `common.bench_model`, the steps of `deltas-ros make-model --config` (test_bench checks it
@@ -40,13 +40,12 @@ from typing import Any
 import torch
 
 from deltas_ros.core.asking import by_drop, leave_one_out_batched
+from deltas_ros.core.asking_reference import leave_one_out
 from deltas_ros.core.branches import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
-from deltas_ros.core.drift import write_strength
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES, make_policy
-from deltas_ros.core.reference import leave_one_out
-from deltas_ros.core.signals import state_surprise
+from deltas_ros.core.signals import state_surprise, write_strength
 
 from .bounded_memory import rss_bytes
 from .common import (
@@ -208,8 +207,7 @@ def signals_side_by_side(memory: StreamingMemory, chunks: Frames,
     """Every --policies signal at this size, in one run: on the same memory, full at M after
     the stream, --policy-chunks further chunks under each policy in turn (only the policy is
     swapped), its own signal and each eviction event timed as bench.engine_overhead times
-    them. Slots kept from before keep the scores they were given; what an eviction event costs
-    depends on the new policy's kind (a choice over runs or over slots)."""
+    them. Slots kept from before keep the scores they were given."""
     replays: list[float] = []
     time_recordings(memory, replays)
     rows = {}

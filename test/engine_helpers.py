@@ -66,15 +66,6 @@ def assert_same_state(a: MemoryState, b: MemoryState) -> None:
         b.next_position, b.chunks_seen, b.compactions, b.chunk_stamps, b.chunk_poses)
 
 
-def kept_by_runs(lengths: list[int], kept: list[tuple[int, int]]) -> list[int]:
-    """The arrival positions that policy.select_runs' (head, tail) per run keep, sorted."""
-    positions, start = [], 0
-    for length, (head, tail) in zip(lengths, kept, strict=True):
-        positions += [*range(start, start + head), *range(start + length - tail, start + length)]
-        start += length
-    return positions
-
-
 def any_call(*args, **kwargs) -> bool:
     return True
 

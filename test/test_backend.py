@@ -17,7 +17,7 @@ from transformers import AutoModelForImageTextToText
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltas_ros.core import kernels, kv_slots, reference, rope
+from deltas_ros.core import kernels, kv_slots, kv_slots_reference, rope
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 
@@ -131,7 +131,7 @@ def test_sliced_attention_mass_equals_the_one_shot_reference(slice_rows):
     queries = torch.randn(1, heads, length, dim, generator=gen)
     keys = torch.randn(1, kv_heads, total, dim, generator=gen)
     slots = total - length
-    one_shot = reference.attention_mass_reference(queries, keys, 0.17, 2, slots)
+    one_shot = kv_slots_reference.attention_mass_reference(queries, keys, 0.17, 2, slots)
     sliced = kv_slots.attention_mass_of(queries, keys, 0.17, 2, slots,
                                        slice_elements=slice_rows * heads * total)
     torch.testing.assert_close(sliced, one_shot, rtol=1e-6, atol=1e-6)

@@ -86,9 +86,9 @@ def test_engine_overhead(tmp_path):
         deltas["signal_fraction"] <= targets["signal_fraction"])
     assert verdicts["eviction per event / forward (deltas run)"] == verdict(
         deltas["evict_fraction"] <= targets["evict_fraction"])
-    assert micro["evict_runs_ms"] >= micro["select_runs_ms"] > 0
-    assert verdicts["eviction at 9B sizes, gather / the engine's (runs; same run)"] == verdict(
-        micro["evict_ms"] >= targets["fill_speedup"] * micro["evict_runs_ms"])
+    assert micro["evict_fill_ms"] >= micro["fill_ms"] > 0
+    assert verdicts["eviction at 9B sizes, gather / the engine's (fill; same run)"] == verdict(
+        micro["evict_ms"] >= targets["fill_speedup"] * micro["evict_fill_ms"])
     on_gpu = [c for c in results["checks"] if "H200" in c["target"]]
     assert len(on_gpu) == 4 and all(c["result"] == "n/a (CPU)" for c in on_gpu)
 

@@ -5,13 +5,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from engine_helpers import TINY_FRAMES, feed, frames_for, kept_by_runs, kv, next_logits
+from engine_helpers import TINY_FRAMES, feed, frames_for, kv, next_logits
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from deltas_ros.core import memory as memory_module
-from deltas_ros.core import reference
+from deltas_ros.core.eviction_reference import gather_evict
 from deltas_ros.core.memory import PREFIX_CHUNK, MemoryConfig, StreamingMemory
-from deltas_ros.core.reference import gather_evict
 from deltas_ros.core.rope import compacted_positions
 
 COMPACTION_CONFIG = dict(budget_tokens=160, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
@@ -50,8 +49,8 @@ def test_compaction_without_gaps_changes_nothing(tiny_model):
 
 
 def test_compacted_layout_is_a_fresh_stream_of_the_kept_chunks(tiny_model, monkeypatch):
-    # A per-token policy: its eviction chooses through select_keep, which this test replaces.
-    memory = StreamingMemory(tiny_model, MemoryConfig(policy="key_norm", **TINY_FRAMES))
+    # A window the lowered budget below can hold (the eviction's choice is replaced).
+    memory = StreamingMemory(tiny_model, MemoryConfig(window_tokens=8, **TINY_FRAMES))
     feed(memory, range(6))
     dropped = torch.tensor([1, 2, 4])
     keep = (~torch.isin(memory.slots.chunk, dropped)).nonzero().flatten()
@@ -72,8 +71,8 @@ def raw_keys(model, full_layers: list[int]):
     """Keys before rotary embedding, in arrival order, kept aligned with the next memory's slots.
 
     Each full-attention layer's k_norm output (the key just before RoPE) is appended per forward;
-    evictions are mirrored by wrapping `select_keep` and `select_runs` (whichever the eviction,
-    or the reference's, takes). Yields {layer index: (1, kv_heads, T, d)}.
+    evictions are mirrored by wrapping `select_keep` (the choice of the eviction and of the
+    reference). Yields {layer index: (1, kv_heads, T, d)}.
     """
     raw: dict[int, torch.Tensor] = {}
 
@@ -85,26 +84,18 @@ def raw_keys(model, full_layers: list[int]):
 
     layers = model.model.language_model.layers
     hooks = [layers[i].self_attn.k_norm.register_forward_hook(recorder(i)) for i in full_layers]
-    select_keep, select_runs = memory_module.select_keep, memory_module.select_runs
+    select_keep = memory_module.select_keep
 
     def mirrored(*args):
         keep = select_keep(*args)
         raw.update({i: k[..., keep, :] for i, k in raw.items()})
         return keep
 
-    def mirrored_runs(runs, *args):
-        kept = select_runs(runs, *args)
-        keep = torch.tensor(kept_by_runs([length for length, _, _ in runs], kept))
-        raw.update({i: k[..., keep, :] for i, k in raw.items()})
-        return kept
-
-    memory_module.select_keep, memory_module.select_runs = mirrored, mirrored_runs
-    reference.select_keep = mirrored  # gather_evict's choice
+    memory_module.select_keep = mirrored
     try:
         yield raw
     finally:
-        memory_module.select_keep, memory_module.select_runs = select_keep, select_runs
-        reference.select_keep = select_keep
+        memory_module.select_keep = select_keep
         for hook in hooks:
             hook.remove()
 

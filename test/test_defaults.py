@@ -33,7 +33,7 @@ PROBE = """
 import inspect, json, sys
 from deltas_ros.core.frames import FrameSampler
 from deltas_ros.core.plan import PlanInputs
-from deltas_ros.core.policy import select_keep, select_runs
+from deltas_ros.core.policy import EvictionLimits
 from deltas_ros.runtime import params
 from deltas_ros.runtime.worker import MemoryWorker
 from deltas_ros.tools import offline
@@ -49,8 +49,8 @@ print(json.dumps({
     "params": params.defaults(),
     "run_help": commands["run"].format_help(),
     "plan_help": commands["plan"].format_help(),
-    "select_keep": default(select_keep, "sinks"),
-    "select_runs": default(select_runs, "buckets"),
+    "limits_sinks": default(EvictionLimits, "sinks"),
+    "limits_buckets": default(EvictionLimits, "buckets"),
     "sampler": default(FrameSampler, "fps"),
     "run_stream": default(offline.run_stream, "fps"),
     "run_file": default(offline.run_file, "max_gap_s"),
@@ -93,7 +93,7 @@ def test_a_default_changed_in_the_config_reaches_every_reader(tmp_path):
     assert seen["params"]["sink_tokens"] == 6 and seen["params"]["queue_chunks"] == 9
     assert "default: 5000" in seen["run_help"] and "default: 3.0" in seen["run_help"]
     assert "default: [5000]" in seen["plan_help"]
-    assert (seen["select_keep"], seen["select_runs"], seen["sampler"]) == (6, 5, 3.0)
+    assert (seen["limits_sinks"], seen["limits_buckets"], seen["sampler"]) == (6, 5, 3.0)
     assert (seen["run_stream"], seen["run_file"], seen["plan"]) == (3.0, 12.5, 5000)
     assert (seen["worker"], seen["training_fps"]) == (9, 3.0)
     # The YAML check (test_params) compares config/deltas.yaml with the table: it would fail.

@@ -1,6 +1,6 @@
-"""State drift (Eq. 3) and the beta*||e|| write strength against hand computations."""
+"""State drift (Eq. 3): the engine's stacked path against hand computations and the
+layer-by-layer reference."""
 
-import inspect
 import math
 
 import pytest
@@ -8,11 +8,21 @@ import torch
 from engine_helpers import TINY_FRAMES, frames_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltas_ros.core.drift import stacked_drift, state_drift, write_strength
+from deltas_ros.core.drift import drift_of_views, drift_views
+from deltas_ros.core.drift_reference import state_drift_reference
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
-from deltas_ros.core.reference import state_drift_reference
+
+
+def state_drift(before: list[torch.Tensor], after: list[torch.Tensor]
+                ) -> tuple[float, list[float]]:
+    """The engine's drift of any states: laid out as backend._StateBuffers holds them (after in
+    row 0, before in row 2, each layer's row zero-padded to the largest state, float32)."""
+    work = torch.zeros(3, len(before), max(b.numel() for b in before))
+    for row, a, b in zip(work.unbind(1), after, before):
+        row[0, :a.numel()].copy_(a.reshape(-1))
+        row[2, :b.numel()].copy_(b.reshape(-1))
+    return drift_of_views(*drift_views(work))
 
 
 def test_drift_equals_hand_computation():
@@ -39,47 +49,11 @@ def test_first_chunk_rule_zero_previous_state_counts_as_full_change():
     assert all(math.isfinite(x) for x in per_layer)
 
 
-def test_drift_rejects_mismatched_inputs():
+def test_the_reference_rejects_mismatched_inputs():
     with pytest.raises(ValueError):
-        state_drift([torch.ones(2)], [])
+        state_drift_reference([torch.ones(2)], [])
     with pytest.raises(ValueError):
-        state_drift([torch.ones(2)], [torch.ones(3)])
-
-
-def test_write_strength_single_token_by_hand():
-    # One head, dk = dv = 2: S0 = I, alpha = 0.5, beta = 0.25, k = e1, v = (3, 1).
-    state = torch.eye(2).view(1, 1, 2, 2)
-    key = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
-    value = torch.tensor([3.0, 1.0]).view(1, 1, 1, 2)
-    g = torch.tensor(math.log(0.5)).view(1, 1, 1)
-    beta = torch.tensor(0.25).view(1, 1, 1)
-    # residual = v - alpha * S0^T k = (3, 1) - 0.5 * (1, 0) = (2.5, 1)
-    expected = 0.25 * math.hypot(2.5, 1.0)
-    got = write_strength(key, value, g, beta, state, normalize_keys=False)
-    assert got.shape == (1, 1)
-    assert got.item() == pytest.approx(expected)
-
-
-def test_write_strength_replays_the_same_recurrence_as_transformers():
-    """The state our replay builds is the one transformers' reference recurrence builds."""
-    gen = torch.Generator().manual_seed(0)
-    b, n, hk, hv, d = 1, 7, 2, 4, 8
-    key = torch.randn(b, n, hk, d, generator=gen)
-    value = torch.randn(b, n, hv, d, generator=gen)
-    g = -torch.rand(b, n, hv, generator=gen)
-    beta = torch.rand(b, n, hv, generator=gen)
-    init = torch.randn(b, hv, d, d, generator=gen)
-    strength_all = write_strength(key, value, g, beta, init)
-    # Replaying the first 3 tokens with transformers, then the rest from its state, must give
-    # the same strengths for the rest as replaying all at once.
-    # The pure-torch reference (the module binding may be fla's Triton kernel, GPU only).
-    reference = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
-    _, mid = reference(
-        torch.zeros_like(key[:, :3]), key[:, :3], value[:, :3], g=g[:, :3], beta=beta[:, :3],
-        initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
-    )
-    strength_rest = write_strength(key[:, 3:], value[:, 3:], g[:, 3:], beta[:, 3:], mid)
-    torch.testing.assert_close(strength_rest, strength_all[:, 3:], rtol=1e-5, atol=1e-5)
+        state_drift_reference([torch.ones(2)], [torch.ones(3)])
 
 
 def test_fast_drift_equals_the_layer_by_layer_reference():
@@ -96,7 +70,7 @@ def test_fast_drift_equals_the_layer_by_layer_reference():
                                                  min_size=5, max_size=5),
        zero=st.lists(st.booleans(), min_size=5, max_size=5), seed=st.integers(0, 2**16),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
-def test_stacked_drift_equals_the_reference_for_any_shapes_zero_states_and_dtypes(
+def test_engine_drift_equals_the_reference_for_any_shapes_zero_states_and_dtypes(
         layers, shapes, zero, seed, dtype):
     gen = torch.Generator().manual_seed(seed)
     before = [torch.zeros(shape, dtype=dtype) if zero[i]
@@ -110,11 +84,11 @@ def test_stacked_drift_equals_the_reference_for_any_shapes_zero_states_and_dtype
     assert mean == pytest.approx(ref_mean, rel=1e-5, abs=1e-7)
 
 
-def test_stacked_drift_rejects_a_wrong_layout():
+def test_drift_views_reject_a_wrong_layout():
     with pytest.raises(ValueError):
-        stacked_drift(torch.zeros(2, 2, 4))
+        drift_views(torch.zeros(2, 2, 4))
     with pytest.raises(ValueError):
-        stacked_drift(torch.zeros(3, 2, 4, dtype=torch.float64))
+        drift_views(torch.zeros(3, 2, 4, dtype=torch.float64))
 
 
 def test_engine_drift_from_its_snapshot_equals_the_reference(tiny_model):

@@ -1,7 +1,7 @@
 """The engine's one eviction path, which moves only what it must (slot-range moves filling the
-evicted slots, chosen by runs: select_runs + SlotTable.keep_runs, or by slots: select_keep +
-SlotTable.keep_slots; Backend.move), against the references in core/reference.py: every kept
-slot gathered (gather_evict), and one index per slot (fill_plan, fill_table, fill_cache).
+evicted slots: select_keep + SlotTable.keep_slots + Backend.move), against the references
+beside it (core/eviction_reference.py, kv_slots_reference.py): every kept slot gathered
+(gather_evict), and one index per slot (fill_plan, fill_table, fill_cache).
 
 Attention does not care where a key sits in the cache, so filling the holes of the evicted slots
 with the last kept slots must give the same memory as gathering every kept slot, seen in arrival
@@ -14,20 +14,14 @@ from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltas_ros.core import memory as memory_module
 from deltas_ros.core.backend import Backend
+from deltas_ros.core.eviction_reference import fill_plan, fill_table, gather_evict, gather_table
+from deltas_ros.core.kv_slots_reference import fill_cache
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.persistence import load_memory, save_memory
-from deltas_ros.core.policy import POLICY_NAMES, select_keep, select_runs
+from deltas_ros.core.policy import POLICY_NAMES, EvictionLimits, select_keep
+from deltas_ros.core.policy_reference import held_chunks_reference
 from deltas_ros.core.poses import Pose
-from deltas_ros.core.reference import (
-    fill_cache,
-    fill_plan,
-    fill_table,
-    gather_evict,
-    gather_table,
-    held_chunks_reference,
-)
 from deltas_ros.core.slots import PREFIX_CHUNK, SlotTable
 
 STREAM = dict(budget_tokens=150, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
@@ -74,18 +68,6 @@ def test_keep_slots_moves_only_the_evicted_count_and_keeps_the_same_slots(sizes,
     assert ours.stamps == filled.stamps == gathered.stamps
 
 
-def rows_of(slots: SlotTable) -> SlotTable:
-    """The same table built slot by slot (its runs derived from the rows, as after a load)."""
-    return SlotTable(slots.time, slots.score, slots.chunk, slots.position, slots.stamps,
-                     slots.arrival, slots.next_arrival, slots.poses)
-
-
-def slots_by_run(runs) -> list[tuple[int, float, float, int]]:
-    """(chunk, time, score, slot) of every slot the runs hold, in arrival order."""
-    return [(r.chunk, r.time, r.score, slot) for r in runs for first, count in r.extents
-            for slot in range(first, first + count)]
-
-
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=12), sinks=st.integers(0, 6),
        window=st.integers(0, 30), buckets=st.integers(1, 4), data=st.data())
@@ -96,8 +78,9 @@ def test_held_chunks_equal_the_reference(sizes, sinks, window, buckets, data):
     if data.draw(st.booleans()):
         kept = data.draw(st.sets(st.integers(0, len(slots) - 1), min_size=1))
         slots, _ = slots.keep_slots(torch.tensor(sorted(kept)))
-    held = slots.held_chunks(sinks, window, buckets)
-    assert [tuple(h) for h in held] == held_chunks_reference(slots, sinks, window, buckets)
+    limits = EvictionLimits(sinks + window, sinks, window, buckets)
+    held = slots.held_chunks(limits)
+    assert [tuple(h) for h in held] == held_chunks_reference(slots, limits)
     assert [h.index for h in held] == slots.retained_chunks()
     assert sum(h.tokens for h in held) == int((slots.chunk >= 0).sum())
 
@@ -106,17 +89,16 @@ def test_held_chunks_equal_the_reference(sizes, sinks, window, buckets, data):
 @given(chunks=st.lists(st.tuples(st.integers(1, 8), st.sampled_from([0.0, 1.0, 2.0, None])),
                        min_size=2, max_size=24),
        budget=st.integers(14, 40), sinks=st.integers(0, 4), window=st.integers(0, 10),
-       buckets=st.integers(1, 4), derive=st.lists(st.booleans(), min_size=24, max_size=24))
-def test_keep_runs_gives_the_table_and_slot_pairs_of_keep_slots(chunks, budget, sinks, window,
-                                                               buckets, derive):
-    """A stream of evictions by runs (chunks of one score, or None: scores per token), each
-    against keep_slots (and fill_plan + fill_table) on the same table and the kept slots
-    select_keep chooses: the same
-    rows bit for bit, the same hole/mover pairs, and runs that describe the rows (as derived
-    from them). `derive` rebuilds the table slot by slot first, as a load does."""
+       buckets=st.integers(1, 4))
+def test_a_stream_of_keep_slots_gives_the_table_and_slot_pairs_of_fill_plan(
+        chunks, budget, sinks, window, buckets):
+    """A stream of evictions (chunks of one score, or None: scores per token), each choosing by
+    select_keep over the slots in arrival order, the table already out of arrival order from
+    the fills before: keep_slots gives fill_plan + fill_table's rows bit for bit and its
+    hole/mover pairs."""
     slots = SlotTable().append(0.0, PREFIX_CHUNK, torch.full((2,), float("inf")),
                                torch.arange(2).expand(3, -1))
-    position = 2
+    limits, position = EvictionLimits(budget, sinks, window, buckets), 2
     for c, (n, score) in enumerate(chunks):
         scores = torch.arange(n, dtype=torch.float32) % 2 if score is None else \
             torch.full((n,), score)
@@ -126,26 +108,17 @@ def test_keep_runs_gives_the_table_and_slot_pairs_of_keep_slots(chunks, budget, 
         position += n
         if len(slots) <= budget:
             continue
-        slots = rows_of(slots) if derive[c] else slots
-        runs = slots.runs()
-        kept_runs = select_runs([(r.length, r.time, r.score) for r in runs], budget, sinks,
-                                window, buckets)
         order = slots.arrival_order().numpy()
         kept = torch.from_numpy(order[select_keep(slots.time.numpy()[order],
-                                                  slots.score.numpy()[order], budget, sinks,
-                                                  window, buckets).numpy()])
+                                                  slots.score.numpy()[order], limits).numpy()])
         holes, movers = fill_plan(kept, len(slots))
-        ours, moves = slots.keep_runs(kept_runs)
-        by_slots, slot_moves = slots.keep_slots(kept)
+        ours, moves = slots.keep_slots(kept)
         reference = fill_table(slots, holes, movers, kept.numel())
         for name, tensor in reference.export().items():
             assert torch.equal(ours.export()[name], tensor), name
-            assert torch.equal(by_slots.export()[name], tensor), name
-        assert ours.stamps == by_slots.stamps == reference.stamps
-        assert moves == slot_moves
+        assert ours.stamps == reference.stamps and ours.poses == reference.poses
         assert [to + i for to, _, n in moves for i in range(n)] == holes.tolist()
         assert [source + i for _, source, n in moves for i in range(n)] == movers.tolist()
-        assert slots_by_run(ours.runs()) == slots_by_run(rows_of(ours).runs())
         slots = ours
 
 
@@ -217,15 +190,9 @@ def cache_in_arrival_order(memory: StreamingMemory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
-def test_every_fill_event_equals_the_gather_path_on_the_same_memory(tiny_model, policy,
-                                                                    monkeypatch):
+def test_every_fill_event_equals_the_gather_path_on_the_same_memory(tiny_model, policy):
     """Over a long stream, before each chunk the gather path gets the fill path's exact state;
-    the chunk then gives both the same drift, evictions and memory, bit for bit. The fill path
-    chooses by runs under a per-chunk policy (runs derived after each import), by slots
-    under a per-token one."""
-    by_runs = []
-    monkeypatch.setattr(memory_module, "select_runs",
-                        lambda *args: by_runs.append(1) or select_runs(*args))
+    the chunk then gives both the same drift, evictions and memory, bit for bit."""
     fill = StreamingMemory(tiny_model, MemoryConfig(policy=policy, **STREAM))
     gather = gathering(tiny_model, policy=policy, **STREAM)
     fill.max_positions = gather.max_positions = 500  # compactions on the way
@@ -238,7 +205,6 @@ def test_every_fill_event_equals_the_gather_path_on_the_same_memory(tiny_model, 
         assert_same_in_arrival_order(fill, gather, exact=True)
         events += ours.evicted_tokens > 0
     assert events >= 15 and fill.compactions >= 1
-    assert len(by_runs) == (events if fill.policy.scores_chunks else 0)
     assert (fill.slots.arrival.diff() < 0).any()  # the fill path really left arrival order
 
 
@@ -251,7 +217,6 @@ def test_fill_and_gather_give_the_same_memory_over_a_long_stream(tiny_model, pol
     gather = gathering(tiny_model, policy=policy, **STREAM)
     fill.max_positions = gather.max_positions = 500  # compactions on the way
     by_fill, by_gather = feed(fill, range(30)), feed(gather, range(30))
-    assert slots_by_run(fill.slots.runs()) == slots_by_run(rows_of(fill.slots).runs())
     assert sum(r.evicted_tokens > 0 for r in by_fill) >= 15
     assert fill.compactions == gather.compactions >= 1
     assert (fill.slots.arrival.diff() < 0).any()  # the fill path really left arrival order

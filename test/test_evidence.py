@@ -1,8 +1,8 @@
 """An answer's evidence: the chunks whose absence lowers the answer's likelihood most, found by
 leaving each candidate out once: one forward a candidate over a copy of the cache without it
-(reference.leave_one_out, the slow reference), checked against removing the chunk from a copy of
-the cache for real; and the candidates as rows of batched forwards that hide them by the
-attention mask (asking.leave_one_out_batched, what questions use), checked against the
+(asking_reference.leave_one_out, the slow reference), checked against removing the chunk from a
+copy of the cache for real; and the candidates as rows of batched forwards that hide them by
+the attention mask (asking.leave_one_out_batched, what questions use), checked against the
 reference."""
 
 import math
@@ -14,10 +14,11 @@ from transformers import AutoModelForImageTextToText
 
 from deltas_ros.core import asking
 from deltas_ros.core.asking import by_drop, leave_one_out_batched
+from deltas_ros.core.asking_reference import leave_one_out
 from deltas_ros.core.branches import branch_mask, evidence_batch_bytes, evidence_rows
+from deltas_ros.core.kv_slots_reference import gather_cache
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
-from deltas_ros.core.reference import gather_cache, leave_one_out
 
 CONFIG = MemoryConfig(budget_tokens=10_000, window_tokens=8, max_new_tokens=4, **TINY_FRAMES)
 CHUNKS = 6

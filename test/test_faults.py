@@ -25,8 +25,8 @@ def last_attention_layer(module, *args, **kwargs) -> bool:
 @pytest.mark.parametrize("owner, name, only, policy", [
     (Qwen3_5VisionModel, "forward", any_call, "surprise"),
     (Qwen3_5Attention, "forward", last_attention_layer, "surprise"),  # after 6 linear, 1 attention
-    # after the whole prefill and scoring: per-chunk scores choose runs, per-token ones slots
-    (memory_module, "select_runs", any_call, "deltas"),
+    # after the whole prefill and scoring, under a per-chunk and a per-token policy
+    (memory_module, "select_keep", any_call, "deltas"),
     (memory_module, "select_keep", any_call, "surprise"),
 ], ids=["vision", "attention", "eviction", "eviction-per-token"])
 def test_failed_chunk_rolls_back_bit_identically(tiny_model, monkeypatch, owner, name, only,

@@ -1,4 +1,4 @@
-"""select_keep (Algorithm 1's selection), select_runs (the same on runs of slots) and the
+"""select_keep (Algorithm 1's selection) against its reference, the eviction limits, and the
 retention policies' scores."""
 
 import math
@@ -7,19 +7,19 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_helpers import kept_by_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltas_ros.core.config import MemoryConfig
 from deltas_ros.core.policy import (
     POLICY_NAMES,
     ChunkSignals,
+    EvictionLimits,
     bucket_of,
     make_policy,
     select_keep,
-    select_runs,
 )
-from deltas_ros.core.reference import select_keep_reference
+from deltas_ros.core.policy_reference import select_keep_reference
 
 
 def stream(chunks: int, tokens: int, seed: int = 0, distinct: bool = False):
@@ -35,13 +35,14 @@ def stream(chunks: int, tokens: int, seed: int = 0, distinct: bool = False):
 
 def test_keeps_everything_within_budget():
     times, scores = stream(5, 10)
-    assert select_keep(times, scores, budget=50, sinks=2, window=10).tolist() == list(range(50))
+    keep = select_keep(times, scores, EvictionLimits(50, sinks=2, window=10))
+    assert keep.tolist() == list(range(50))
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_size_sinks_window_and_order(seed):
     times, scores = stream(60, 12, seed)
-    keep = select_keep(times, scores, budget=300, sinks=4, window=48, buckets=4)
+    keep = select_keep(times, scores, EvictionLimits(300, sinks=4, window=48, buckets=4))
     assert keep.numel() == 300
     assert torch.equal(keep, torch.sort(keep).values) and keep.unique().numel() == 300
     assert set(range(4)) <= set(keep.tolist())
@@ -52,7 +53,7 @@ def test_size_sinks_window_and_order(seed):
 def test_no_dropped_slot_outscores_a_kept_one_within_its_bucket(seed):
     times, scores = stream(80, 10, seed, distinct=True)
     sinks, window, buckets = 4, 30, 4
-    keep = set(select_keep(times, scores, 250, sinks, window, buckets).tolist())
+    keep = set(select_keep(times, scores, EvictionLimits(250, sinks, window, buckets)).tolist())
     candidates = torch.arange(sinks, times.numel() - window)
     bucket = torch.from_numpy(bucket_of(times[candidates].numpy(), buckets))
     for b in range(buckets):
@@ -65,7 +66,7 @@ def test_no_dropped_slot_outscores_a_kept_one_within_its_bucket(seed):
 
 def test_equal_time_spans_get_equal_shares():
     times, scores = stream(100, 10, seed=3, distinct=True)
-    keep = select_keep(times, scores, budget=4 + 20 + 400, sinks=4, window=20, buckets=4)
+    keep = select_keep(times, scores, EvictionLimits(4 + 20 + 400, sinks=4, window=20, buckets=4))
     candidates = torch.arange(4, 1000 - 20)
     bucket = torch.from_numpy(bucket_of(times[candidates].numpy(), 4)).long()
     kept_per_bucket = torch.bincount(bucket[torch.isin(candidates, keep)], minlength=4)
@@ -77,7 +78,7 @@ def test_spare_budget_of_a_thin_bucket_goes_to_the_best_elsewhere():
     times = torch.tensor([0.0] * 5 + [30.0] * 10 + [60.0] * 10 + [90.0] * 10 + [100.0] * 10,
                          dtype=torch.float64)
     scores = torch.tensor([0.0] * 5 + [0.9] * 10 + [0.1] * 10 + [0.5] * 10 + [0.0] * 10)
-    keep = select_keep(times, scores, budget=35, sinks=0, window=10, buckets=4)
+    keep = select_keep(times, scores, EvictionLimits(35, sinks=0, window=10, buckets=4))
     assert keep.numel() == 35  # exactly the budget despite the thin bucket
     assert set(range(5)) <= set(keep.tolist())  # the thin bucket keeps all it has
 
@@ -86,29 +87,44 @@ def test_nan_scores_rank_with_minus_infinity_as_in_the_reference():
     times = torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=torch.float64)
     scores = torch.tensor([-math.inf, math.nan, -math.inf, 0.0])
     for budget in (1, 2, 3):
-        fast = select_keep(times, scores, budget, sinks=0, window=0, buckets=1).tolist()
-        assert fast == select_keep_reference(times.tolist(), scores.tolist(), budget, 0, 0, 1)
-    assert select_keep(times, scores, 2, sinks=0, window=0, buckets=1).tolist() == [2, 3]
+        limits = EvictionLimits(budget, sinks=0, window=0, buckets=1)
+        fast = select_keep(times, scores, limits).tolist()
+        assert fast == select_keep_reference(times.tolist(), scores.tolist(), limits)
+    assert select_keep(times, scores, EvictionLimits(2, 0, 0, 1)).tolist() == [2, 3]
 
 
 def test_ties_go_to_the_newer_chunk():
     times, _ = stream(20, 5)
     scores = torch.zeros(100)
-    keep = select_keep(times, scores, budget=40, sinks=0, window=0, buckets=1)
+    keep = select_keep(times, scores, EvictionLimits(40, sinks=0, window=0, buckets=1))
     assert keep.tolist() == list(range(60, 100))
 
 
 def test_nan_scores_count_as_lowest():
     times, scores = stream(20, 5, distinct=True)
     scores[50:55] = float("nan")
-    keep = select_keep(times, scores, budget=40, sinks=0, window=0, buckets=1)
+    keep = select_keep(times, scores, EvictionLimits(40, sinks=0, window=0, buckets=1))
     assert not set(range(50, 55)) & set(keep.tolist())
 
 
-def test_rejects_a_budget_smaller_than_sinks_plus_window():
-    times, scores = stream(10, 10)
+def test_limits_refuse_a_budget_smaller_than_sinks_plus_window():
     with pytest.raises(ValueError, match="budget"):
-        select_keep(times, scores, budget=10, sinks=4, window=8)
+        EvictionLimits(10, sinks=4, window=8)
+    with pytest.raises(ValueError, match="buckets"):
+        EvictionLimits(10, buckets=0, window=0)
+
+
+def test_select_keep_refuses_times_and_scores_of_other_lengths():
+    times, scores = stream(10, 10)
+    with pytest.raises(ValueError, match="scores"):
+        select_keep(times, scores[:-1], EvictionLimits(50, sinks=2, window=10))
+
+
+def test_limits_of_a_config_take_a_policy_s_pinned_buckets():
+    config = MemoryConfig(budget_tokens=500, sink_tokens=3, window_tokens=40, buckets=5)
+    assert EvictionLimits.of(config) == EvictionLimits(500, 3, 40, 5)
+    assert EvictionLimits.of(config, make_policy("recency").buckets) == EvictionLimits(
+        500, 3, 40, 1)
 
 
 @settings(max_examples=150, deadline=None)
@@ -124,48 +140,17 @@ def test_fast_path_equals_reference(chunk_sizes, scores, budget_extra, sinks, wi
     times = [float(c) for c, size in enumerate(chunk_sizes) for _ in range(size)]
     slot_scores = [scores[c] for c, size in enumerate(chunk_sizes) for _ in range(size)]
     budget = sinks + window + budget_extra
+    limits = EvictionLimits(budget, sinks, window, buckets)
     fast = select_keep(torch.tensor(times, dtype=torch.float64), torch.tensor(slot_scores),
-                       budget, sinks, window, buckets)
-    assert fast.tolist() == select_keep_reference(times, slot_scores, budget, sinks, window,
-                                                  buckets)
+                       limits)
+    assert fast.tolist() == select_keep_reference(times, slot_scores, limits)
     assert fast.numel() == min(len(times), budget)
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    runs=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 2),
-                            st.sampled_from([0.0, 0.25, 1.0, 2.0, math.inf, -math.inf,
-                                             math.nan])), min_size=1, max_size=30),
-    budget_extra=st.integers(0, 100),
-    sinks=st.integers(0, 6),
-    window=st.integers(0, 30),
-    buckets=st.integers(1, 6),
-)
-def test_select_runs_keeps_the_slots_select_keep_keeps(runs, budget_extra, sinks, window,
-                                                       buckets):
-    """Runs of equal time and score (a time step of 0 makes runs of one chunk time), against
-    the slot-by-slot reference on the same slots."""
-    times = np.cumsum([step for _, step, _ in runs]).astype(float).tolist()
-    runs = [(length, t, score) for (length, _, score), t in zip(runs, times)]
-    budget = sinks + window + budget_extra
-    kept = select_runs(runs, budget, sinks, window, buckets)
-    slot_times = [t for length, t, _ in runs for _ in range(length)]
-    slot_scores = [score for length, _, score in runs for _ in range(length)]
-    assert kept_by_runs([length for length, _, _ in runs], kept) == select_keep_reference(
-        slot_times, slot_scores, budget, sinks, window, buckets)
-
-
-def test_select_runs_refuses_what_select_keep_refuses():
-    with pytest.raises(ValueError, match="budget"):
-        select_runs([(20, 0.0, 1.0)], budget=10, sinks=4, window=8)
-    with pytest.raises(ValueError, match="at least one slot"):
-        select_runs([(20, 0.0, 1.0), (0, 1.0, 1.0)], budget=12, sinks=4, window=8)
-
-
 def test_only_the_per_token_policies_score_tokens_apart():
-    assert {n for n in POLICY_NAMES if not make_policy(n).scores_chunks} == {
-        "value_norm", "key_norm", "surprise", "deltas_surprise", "infinipot_v", "streammem",
-        "beta_error"}
+    apart = {n for n in POLICY_NAMES if make_policy(n).score(signals(5)).unique().numel() > 1}
+    assert apart == {"value_norm", "key_norm", "surprise", "deltas_surprise", "infinipot_v",
+                     "streammem", "beta_error"}
 
 
 def test_new_policies_are_appended_to_the_names():
@@ -225,13 +210,6 @@ def test_every_policy_scores_every_token(name):
     assert torch.isfinite(scores).all()
 
 
-def test_policies_that_score_chunks_give_one_score_per_chunk():
-    """What lets the eviction choose by runs (policy.scores_chunks) is what they do."""
-    for name in POLICY_NAMES:
-        policy = make_policy(name)
-        assert (policy.score(signals(5)).unique().numel() == 1) == policy.scores_chunks, name
-
-
 def test_random_policy_is_seeded():
     a, b = make_policy("random", seed=1), make_policy("random", seed=1)
     c = make_policy("random", seed=2)
@@ -243,7 +221,7 @@ def test_uniform_policy_spreads_kept_chunks_evenly():
     policy = make_policy("uniform")
     times = torch.arange(64, dtype=torch.float64)
     scores = torch.cat([policy.score(signals(i, n=1)) for i in range(64)])
-    kept = select_keep(times, scores, budget=8, sinks=0, window=0, buckets=1)
+    kept = select_keep(times, scores, EvictionLimits(8, sinks=0, window=0, buckets=1))
     gaps = torch.diff(kept)
     assert gaps.min() == gaps.max() == 8
 

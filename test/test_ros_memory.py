@@ -90,8 +90,8 @@ def slots_with(stamps: list[float | None], poses: list[Pose | None]) -> SlotTabl
 
 
 def answer_of(slots: SlotTable, evidence: list[int]) -> Answer:
-    return Answer.from_evidence("a red cup", evidence, slots, memory_tokens=len(slots),
-                                latency_ms=1.0, generated_tokens=3)
+    return slots.answer("a red cup", evidence, memory_tokens=len(slots), latency_ms=1.0,
+                        generated_tokens=3)
 
 
 def seconds(stamp: Time) -> float:

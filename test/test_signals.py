@@ -1,7 +1,10 @@
-"""The retention signals beside DeltaS (core/signals.py) against their slow references, and on
-the tiny model from its own Gated DeltaNet inputs."""
+"""The retention signals beside DeltaS (core/signals.py) against hand computations, their slow
+references and transformers' recurrence, and on the tiny model from its own Gated DeltaNet
+inputs."""
 
 import copy
+import inspect
+import math
 
 import numpy as np
 import pytest
@@ -9,21 +12,59 @@ import torch
 from engine_helpers import TINY_FRAMES, feed, frames_for, kv, states
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from deltas_ros.core.asking import proxy_saliency
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
-from deltas_ros.core.policy import select_keep
-from deltas_ros.core.reference import (
-    state_surprise_reference,
-    temporal_redundancy_reference,
-)
+from deltas_ros.core.policy import EvictionLimits, select_keep
 from deltas_ros.core.signals import (
     layer_mean,
     lexicographic,
     pixel_difference,
-    proxy_saliency,
     state_surprise,
     temporal_redundancy,
+    write_strength,
 )
+from deltas_ros.core.signals_reference import (
+    state_surprise_reference,
+    temporal_redundancy_reference,
+)
+
+
+def test_write_strength_single_token_by_hand():
+    # One head, dk = dv = 2: S0 = I, alpha = 0.5, beta = 0.25, k = e1, v = (3, 1).
+    state = torch.eye(2).view(1, 1, 2, 2)
+    key = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
+    value = torch.tensor([3.0, 1.0]).view(1, 1, 1, 2)
+    g = torch.tensor(math.log(0.5)).view(1, 1, 1)
+    beta = torch.tensor(0.25).view(1, 1, 1)
+    # residual = v - alpha * S0^T k = (3, 1) - 0.5 * (1, 0) = (2.5, 1)
+    expected = 0.25 * math.hypot(2.5, 1.0)
+    got = write_strength(key, value, g, beta, state, normalize_keys=False)
+    assert got.shape == (1, 1)
+    assert got.item() == pytest.approx(expected)
+
+
+def test_write_strength_replays_the_same_recurrence_as_transformers():
+    """The state our replay builds is the one transformers' reference recurrence builds."""
+    gen = torch.Generator().manual_seed(0)
+    b, n, hk, hv, d = 1, 7, 2, 4, 8
+    key = torch.randn(b, n, hk, d, generator=gen)
+    value = torch.randn(b, n, hv, d, generator=gen)
+    g = -torch.rand(b, n, hv, generator=gen)
+    beta = torch.rand(b, n, hv, generator=gen)
+    init = torch.randn(b, hv, d, d, generator=gen)
+    strength_all = write_strength(key, value, g, beta, init)
+    # Replaying the first 3 tokens with transformers, then the rest from its state, must give
+    # the same strengths for the rest as replaying all at once.
+    # The pure-torch reference (the module binding may be fla's Triton kernel, GPU only).
+    reference = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
+    _, mid = reference(
+        torch.zeros_like(key[:, :3]), key[:, :3], value[:, :3], g=g[:, :3], beta=beta[:, :3],
+        initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    strength_rest = write_strength(key[:, 3:], value[:, 3:], g[:, 3:], beta[:, 3:], mid)
+    torch.testing.assert_close(strength_rest, strength_all[:, 3:], rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=40, deadline=None)
@@ -81,7 +122,7 @@ def test_deltas_surprise_fills_by_drift_and_splits_the_last_chunk_by_surprise():
     surprise = [torch.arange(n, dtype=torch.float32).flip(0) * (c + 1) for c in range(4)]
     scores = torch.cat([lexicographic(d, s) for d, s in zip(drifts, surprise)])
     times = torch.arange(4, dtype=torch.float64).repeat_interleave(n)
-    kept = select_keep(times, scores, budget=9, sinks=0, window=0, buckets=1).tolist()
+    kept = select_keep(times, scores, EvictionLimits(9, sinks=0, window=0, buckets=1)).tolist()
     # Chunk 1 (drift 0.9) whole, then chunk 2's 3 most surprising tokens (its first three).
     assert kept == list(range(6, 12)) + [12, 13, 14]
 

@@ -1,4 +1,5 @@
-"""A question to the memory: when it is accepted, how it is decoded, where its evidence lies."""
+"""A question to the memory: when it is accepted, how it is decoded, where its evidence lies;
+and StreamMem's generic question, whose attention scores the `streammem` policy's tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import Backend
-from .branches import EVIDENCE_BATCH_BYTES, evidence_rows
+from .branches import EVIDENCE_BATCH_BYTES, answer_log_probs, evidence_rows
 from .config import MemoryConfig, question_problem
 from .slots import SlotTable
 
@@ -115,12 +116,13 @@ def leave_one_out_batched(backend: Backend, slots: SlotTable, ids: list[int], an
                           position: int, candidates: list[int], allowed: torch.Tensor | None,
                           deadline: float, cancelled: Callable[[], bool] | None = None,
                           batch_bytes: int = EVIDENCE_BATCH_BYTES) -> dict[int, float]:
-    """`leave_one_out`'s drops from batched forwards over the memory's cache as it is: row 0
-    hides nothing but what `allowed` leaves out, row i + 1 also candidate i's slots, by the
-    attention mask (`Backend.answer_log_probs`); as many rows a forward as `evidence_rows` fits
-    in `batch_bytes`. No K/V copy per candidate, and the backend is only read, so it needs no
-    restore. Stops before a batch at `deadline` or `cancelled()`: the candidates of the
-    batches run are tested (all of them when one batch holds them), the others not."""
+    """`asking_reference.leave_one_out`'s drops from batched forwards over the memory's cache
+    as it is: row 0 hides nothing but what `allowed` leaves out, row i + 1 also candidate i's
+    slots, by the attention mask (`branches.answer_log_probs`); as many rows a forward as
+    `evidence_rows` fits in `batch_bytes`. No K/V copy per candidate, and the backend is only
+    read, so it needs no restore. Stops before a batch at `deadline` or `cancelled()`: the
+    candidates of the batches run are tested (all of them when one batch holds them), the
+    others not."""
     outside = (torch.zeros_like(slots.chunk, dtype=torch.bool) if allowed is None
                else ~allowed)
     rows = [outside, *(outside | (slots.chunk == chunk) for chunk in candidates)]
@@ -131,10 +133,25 @@ def leave_one_out_batched(backend: Backend, slots: SlotTable, ids: list[int], an
     for start in range(0, len(rows), per_batch):
         if time.perf_counter() > deadline or cancelled is not None and cancelled():
             break
-        log_probs += backend.answer_log_probs(ids, answer, position,
-                                              torch.stack(rows[start:start + per_batch]))
+        log_probs += answer_log_probs(backend, ids, answer, position,
+                                      torch.stack(rows[start:start + per_batch]))
     return {chunk: log_probs[0] - log_prob
             for chunk, log_prob in zip(candidates, log_probs[1:])}
+
+
+def proxy_saliency(backend: Backend, ids: torch.Tensor, positions: torch.Tensor,
+                   slots: int) -> torch.Tensor:
+    """(slots,) mean attention the proxy tokens put on each cache slot, the forward undone.
+
+    ids (1, L), positions (3, 1, L): the generic query (the assistant-turn opening) after the
+    stream. The forward runs over the live cache with the attention-mass hooks inside
+    `Backend.undone`, so the memory is as before. The mass is divided by layers x heads x
+    queries: each query's softmax sums to 1.
+    """
+    with backend.undone(), backend.attention_mass(slots) as mass:
+        backend.prefill_text(ids, positions)
+    heads = backend.model.config.text_config.num_attention_heads
+    return mass / (len(backend.full) * heads * ids.shape[1])
 
 
 def by_drop(candidates: list[int], drops: dict[int, float]) -> list[int]:

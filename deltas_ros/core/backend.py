@@ -1,12 +1,13 @@
 """The door to transformers' Qwen3.5 internals: the model's cache and every call into it.
 
 Everything the memory does to the model goes through `Backend` (batch size 1): prefill a chunk or
-text, one decoding step, snapshot/restore of the linear-attention states, the KV length, moving
-and truncating KV slots, re-rotating cached keys, the attention mass of a question on each slot,
-the evidence search's batched forward, and the gated delta rule's write strength. Only this
-module and `kernels` (which kernel each Gated DeltaNet module runs) import
-`transformers.models.qwen3_5`; `branches` and training's `cache` subclass or fill transformers'
-public cache class, the loader and the maker use its public classes only.
+text, one decoding step, snapshot/restore of the linear-attention states (and forwards undone on
+the spot), the KV length, moving and truncating KV slots, re-rotating cached keys, the attention
+mass of a question on each slot, the folded forward the evidence search batches its rows in, and
+the recording of a per-token signal of the gated delta rule. Only this module and `kernels`
+(which kernel each Gated DeltaNet module runs) import `transformers.models.qwen3_5`; `branches`
+and training's `cache` subclass or fill transformers' public cache class, the loader and the
+maker use its public classes only.
 
 Private transformers names the door relies on (test_backend pins each of them, so an upgrade
 that moves one fails naming it):
@@ -49,13 +50,12 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from .branches import BranchCache, branch_mask
 from .chunks import Chunk
-from .drift import drift_of_views, drift_views, write_strength
+from .drift import drift_of_views, drift_views
 from .kernels import recording_write_strength, select_gated_delta_kernels
 from .kv_slots import attention_mass_of, gather_slots, move_slots
 from .rope import RotaryShift
-from .signals import state_surprise
+from .signals import state_surprise, write_strength
 
 
 @dataclass
@@ -71,14 +71,6 @@ class StateSnapshot:
     generation: int
 
 
-def rotary_shift(model: torch.nn.Module) -> RotaryShift:
-    """Key re-rotation for `model`'s text rotary embedding (see rope.RotaryShift)."""
-    rotary = model.model.language_model.rotary_emb
-    half = rotary.inv_freq.numel()
-    rows = rotary.recomposition_frequencies(torch.arange(3.0)[:, None].repeat(1, half))
-    return RotaryShift(rows, rotary.inv_freq)
-
-
 class Backend:
     """One Qwen3.5 model with one stream's cache (batch 1, not thread-safe)."""
 
@@ -88,7 +80,7 @@ class Backend:
         self.linear = [i for i, k in enumerate(text.layer_types) if k == "linear_attention"]
         self.full = [i for i, k in enumerate(text.layer_types) if k == "full_attention"]
         self.max_positions: int = text.max_position_embeddings
-        self.rotary_shift = rotary_shift(model)
+        self.rotary_shift = RotaryShift.of(model)
         self.cache = DynamicCache(config=text)
         self.fla_kernels = select_gated_delta_kernels(model, device)  # per instance; idempotent
         self.strength_fn: Callable = write_strength  # a benchmark may wrap them to time them
@@ -136,27 +128,17 @@ class Backend:
         picked = scores.gather(1, torch.tensor(targets, device=self.device)[:, None])
         return float(picked.sum())
 
-    def answer_log_probs(self, ids: list[int], answer: list[int], position: int,
-                         hidden: torch.Tensor) -> list[float]:
-        """log p(answer | question `ids`, the cache without the slots hidden[b]) for each row b
-        of hidden (B, T) bool: one teacher-forced forward of batch B of the question and the
-        answer at `position`, over the cache as it is (`branches.BranchCache`: no K/V copy per
-        row, the cache only read). The full-attention layers see the rows as one row of B*L queries
-        (`folded_attention`), which `branch_mask` keeps each on its own tokens and off its
-        hidden slots: one batch-1 attention over the cache, not B over broadcast copies of it.
-        """
-        rows, length = hidden.shape[0], len(ids) + len(answer)
-        tokens = torch.tensor([ids + answer], device=self.device).expand(rows, -1)
-        positions = torch.arange(position, position + length, device=self.device)
-        mask = branch_mask(hidden.to(self.device), length, self.dtype)
+    def prefill_rows(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                     cache: DynamicCache) -> torch.Tensor:
+        """tokens (B, L) at positions (3, B, L) through the language model over `cache` (a
+        `branches.BranchCache`), the full-attention layers under the additive `mask` and with
+        the rows folded into one (`folded_attention`); returns (B, L, hidden)."""
         with self.folded_attention():
             out = self.model.model.language_model(
-                input_ids=tokens, position_ids=positions.expand(3, rows, -1),
+                input_ids=tokens, position_ids=positions,
                 attention_mask={"full_attention": mask, "linear_attention": None},
-                cache=BranchCache(self.cache, rows, self.model.config.text_config),
-                use_cache=True)
-        states = out.last_hidden_state[:, len(ids) - 1:-1]
-        return [self.log_prob(states[row:row + 1], answer) for row in range(rows)]
+                cache=cache, use_cache=True)
+        return out.last_hidden_state
 
     @contextmanager
     def folded_attention(self) -> Iterator[None]:
@@ -212,7 +194,7 @@ class Backend:
         return StateSnapshot(self.kv_tokens, self._generation)
 
     def drift(self, snap: StateSnapshot) -> tuple[float, list[float]]:
-        """State drift (Eq. 3) from `snap` to now: drift.stacked_drift on the stacked states
+        """State drift (Eq. 3) from `snap` to now: drift.drift_of_views on the stacked states
         (three ops on views made once, one host sync; nothing is copied first)."""
         self._check_current(snap)
         return drift_of_views(*self._state_buffers(adopt=False).drift_views)
@@ -224,6 +206,21 @@ class Backend:
         for snapshot, live in self._state_buffers(adopt=False).copies:
             live.copy_(snapshot)
         self.truncate(snap.kv_tokens)
+
+    @contextmanager
+    def undone(self) -> Iterator[None]:
+        """While active, forwards may change the states and grow the KV; on exit both are as
+        before: the states are saved into the buffers' scratch row (not the snapshot's, so a
+        snapshot taken before stays valid) and copied back, the KV cut to its old length."""
+        saves, length = self._state_buffers().saves, self.kv_tokens
+        for save, live in saves:
+            save.copy_(live)
+        try:
+            yield
+        finally:
+            for save, live in saves:
+                live.copy_(save)
+            self.truncate(length)
 
     def _state_buffers(self, adopt: bool = True) -> _StateBuffers:
         """The stacked buffers the cache's states live in; a new cache (after reset) has its
@@ -260,7 +257,7 @@ class Backend:
 
     def move(self, moves: Sequence[tuple[int, int, int]], size: int) -> None:
         """The eviction's one K/V path: every full-attention layer cut to `size` slots with the
-        moves (to, source, count) of slot ranges (slots.keep_runs, keep_slots) applied, through
+        moves (to, source, count) of slot ranges (SlotTable.keep_slots) applied, through
         `move_slots`: one copy per K/V tensor, from a slice when the movers are one range. The
         movers of every layer are read before anything is written, so a failure changes
         nothing."""
@@ -403,8 +400,9 @@ class _StateBuffers:
     recurrent (3, L, n) float32, rows zero-padded to the largest state (padding is never
     written, so it adds nothing to a norm): [0] the live states (the cache's state tensors are
     views of its rows, which the model updates in place), [1] scratch for the drift's
-    difference, [2] the snapshot. The kernels keep their recurrent states in float32 too.
-    conv (3, L, m) of the conv states' dtype, rows [0] live and [2] snapshot. When that dtype is
+    difference (and for `Backend.undone`, whose save never meets a drift), [2] the snapshot.
+    The kernels keep their recurrent states in float32 too. conv (3, L, m) of the conv states'
+    dtype, rows [0] live, [1] the save of `Backend.undone` and [2] snapshot. When that dtype is
     float32 (a float32 model) both are column ranges of one (3, L, n + m) buffer, so a snapshot
     or a rollback is a single copy; `buffers` lists the one or two buffers to copy.
     """
@@ -424,6 +422,7 @@ class _StateBuffers:
             self.recurrent, self.conv = self.buffers
         # Views made once, used by every chunk (at tiny sizes making them is much of the cost).
         self.copies = [(buffer[2], buffer[0]) for buffer in self.buffers]  # (snapshot, live)
+        self.saves = [(buffer[1], buffer[0]) for buffer in self.buffers]  # (save, live)
         self.drift_views = drift_views(self.recurrent)
         self.live = _rows(self.recurrent[0], recurrent) + _rows(self.conv[0], conv)
         torch._foreach_copy_(self.live, recurrent + conv)

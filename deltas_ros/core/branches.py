@@ -1,8 +1,8 @@
 """The evidence search's batched forward: many candidates as rows of one forward over the
 stream's cache as it is, each hiding its slots by the attention mask, with no K/V copy.
 
-`Backend.answer_log_probs` runs it; `evidence_batch_bytes` sizes it, for the search's batches
-and for the memory plan.
+`answer_log_probs` runs it (through `Backend.prefill_rows`); `evidence_batch_bytes` sizes it,
+for the search's batches and for the memory plan.
 """
 
 from __future__ import annotations
@@ -10,9 +10,29 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .backend import Backend
+
 # Bytes one batched evidence forward may hold at its peak (`evidence_rows`): about one copy of
 # the K/V at 9B and M = 8192 in bf16, what a search that copies the cache holds per candidate.
 EVIDENCE_BATCH_BYTES = 512 << 20
+
+
+def answer_log_probs(backend: Backend, ids: list[int], answer: list[int], position: int,
+                     hidden: torch.Tensor) -> list[float]:
+    """log p(answer | question `ids`, the cache without the slots hidden[b]) for each row b
+    of hidden (B, T) bool: one teacher-forced forward of batch B of the question and the
+    answer at `position`, over the backend's cache as it is (`BranchCache`: no K/V copy per
+    row, the cache only read). The full-attention layers see the rows as one row of B*L queries
+    (`Backend.folded_attention`), which `branch_mask` keeps each on its own tokens and off its
+    hidden slots: one batch-1 attention over the cache, not B over broadcast copies of it.
+    """
+    rows, length, device = hidden.shape[0], len(ids) + len(answer), backend.device
+    tokens = torch.tensor([ids + answer], device=device).expand(rows, -1)
+    positions = torch.arange(position, position + length, device=device).expand(3, rows, -1)
+    mask = branch_mask(hidden.to(device), length, backend.dtype)
+    cache = BranchCache(backend.cache, rows, backend.model.config.text_config)
+    states = backend.prefill_rows(tokens, positions, mask, cache)[:, len(ids) - 1:-1]
+    return [backend.log_prob(states[row:row + 1], answer) for row in range(rows)]
 
 
 class BranchCache(DynamicCache):
@@ -77,7 +97,7 @@ def branch_mask(hidden: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.
 
 def evidence_batch_bytes(text_config, rows: int, slots: int, tokens: int, answer: int,
                          dtype: torch.dtype) -> int:
-    """An upper estimate of the bytes `Backend.answer_log_probs` holds at its peak beyond the
+    """An upper estimate of the bytes `answer_log_probs` holds at its peak beyond the
     model and the memory, for `rows` rows of `tokens` tokens (the last `answer` scored) over
     `slots` cache slots: what `evidence_rows` sizes a batch by and what a memory plan counts.
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 import numpy as np
 import torch
 
-from .asking import Evidence, accept_question, answer_question, window_slots
+from .asking import Evidence, accept_question, answer_question, proxy_saliency, window_slots
 from .backend import Backend, StateSnapshot
 from .chunks import Chunk, ChunkBuilder
 from .config import (
@@ -38,11 +38,11 @@ from .config import (
     question_problem,
 )
 from .loader import LoadedModel, stop_token_ids
-from .policy import ChunkSignals, make_policy, select_keep, select_runs
+from .policy import ChunkSignals, EvictionLimits, make_policy, select_keep
 from .poses import Pose
 from .prompt import THINK_END, ChatLayout
 from .results import Answer, ChunkResult, MemoryState, MemoryStats
-from .signals import layer_mean, proxy_saliency
+from .signals import layer_mean
 from .slots import PREFIX_CHUNK, SlotTable
 from .state_check import check_state
 
@@ -51,11 +51,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState", "MemoryStats",
            "PREFIX_CHUNK", "QuestionFailed", "StreamingMemory", "question_problem"]
-
-
-# Runs (slots.Run) up to which an eviction chooses among runs (a Python loop over them) rather
-# than sorting every slot in numpy; a per-chunk policy holds about one run per chunk.
-MAX_SELECT_RUNS = 256
 
 
 class _Snapshot(NamedTuple):
@@ -171,30 +166,36 @@ class StreamingMemory:
         ids, positions = self.builder.text(self.layout.after_question, chunk.next_position)
         return proxy_saliency(self.backend, ids, positions, self.kv_tokens)[-chunk.num_tokens:]
 
+    @property
+    def limits(self) -> EvictionLimits:
+        """The eviction's limits under the config as it is now (a policy may pin the buckets)."""
+        return EvictionLimits.of(self.config, self.policy.buckets)
+
     @torch.inference_mode()
     def evict_to_budget(self) -> int:
         """Algorithm 1, lines 6-10 (after each chunk; also after lowering budget_tokens): slots
-        evicted. The kept slots are chosen by runs or by slots (the same choice); either way the
+        evicted. The kept slots are chosen over the slots in arrival order (select_keep); the
         evicted slots below the new size are filled by kept ones from above it, as slot-range
         moves (O(evicted)). A failure changes nothing: the backend reads every layer before it
-        writes. reference.gather_evict is the slow version."""
-        total, cfg = self.kv_tokens, self.config
-        if total <= cfg.budget_tokens:
+        writes. eviction_reference.gather_evict is the slow version."""
+        total = self.kv_tokens
+        if (kept := self.slots_to_keep()) is None:
             return 0
-        limits = (cfg.budget_tokens, cfg.sink_tokens, cfg.window_tokens,
-                  self.policy.buckets or cfg.buckets)
-        if self.policy.scores_chunks and len(runs := self.slots.runs()) <= MAX_SELECT_RUNS:
-            # The common event: a few runs chosen, a few slot ranges moved.
-            slots, moves = self.slots.keep_runs(
-                select_runs([(run.length, run.time, run.score) for run in runs], *limits))
-        else:  # per-token scores, or a long table: sorts over every slot, in numpy
-            order = self.slots.arrival_order().numpy()
-            chosen = select_keep(self.slots.time.numpy()[order],
-                                 self.slots.score.numpy()[order], *limits)
-            slots, moves = self.slots.keep_slots(torch.from_numpy(order[chosen.numpy()]))
+        slots, moves = self.slots.keep_slots(kept)
         self.backend.move(moves, len(slots))
         self.slots = slots
         return total - len(slots)
+
+    def slots_to_keep(self) -> torch.Tensor | None:
+        """The slots an eviction now keeps (policy.select_keep over the slots read in arrival
+        order; slot indices in that order), or None while the cache is within the budget."""
+        limits = self.limits
+        if self.kv_tokens <= limits.budget:
+            return None
+        order = self.slots.arrival_order().numpy()
+        chosen = select_keep(self.slots.time.numpy()[order], self.slots.score.numpy()[order],
+                             limits)
+        return torch.from_numpy(order[chosen.numpy()])
 
     # ----------------------------------------------------------------------------- positions
     @torch.inference_mode()
@@ -265,8 +266,8 @@ class StreamingMemory:
                 allowed, on_token and tokens, cancelled),
             QuestionFailed, "the question", restore_after=True)
         answer, reasoning = self._texts(generated)
-        return Answer.from_evidence(
-            answer, evidence, self.slots, memory_tokens=kv_before,
+        return self.slots.answer(
+            answer, evidence, memory_tokens=kv_before,
             latency_ms=(time.perf_counter() - start) * 1e3, generated_tokens=len(generated),
             truncated=stop == "deadline", cancelled=stop == "cancelled", reasoning=reasoning)
 
@@ -349,8 +350,7 @@ class StreamingMemory:
             chunks=self.chunks_seen, kv_tokens=self.kv_tokens, kv_bytes=kv_bytes,
             state_bytes=state_bytes, next_position=self.next_position,
             max_positions=self.max_positions, span_start=span_start, span_end=span_end,
-            held=self.slots.held_chunks(self.config.sink_tokens, self.config.window_tokens,
-                                        self.policy.buckets or self.config.buckets),
+            held=self.slots.held_chunks(self.limits),
             compactions=self.compactions,
         )
 

@@ -16,7 +16,6 @@ Decisions the paper leaves open, taken here (as docs/method.md, Eviction, states
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,15 +26,34 @@ from .config import POLICY_NAMES, MemoryConfig
 from .signals import lexicographic, pixel_difference, temporal_redundancy
 
 
-def select_keep(
-    times: torch.Tensor | np.ndarray,
-    scores: torch.Tensor | np.ndarray,
-    budget: int,
-    sinks: int = MemoryConfig.sink_tokens,
-    window: int = MemoryConfig.window_tokens,
-    buckets: int = MemoryConfig.buckets,
-) -> torch.LongTensor:
-    """Sorted cache-slot indices to keep: exactly min(T, budget) of them.
+@dataclass(frozen=True)
+class EvictionLimits:
+    """What every eviction keeps to, whatever the policy: the budget M, the first `sinks` slots,
+    the last `window` slots and the number of temporal buckets. One value, built from the
+    memory's config when it evicts (`of`), so the four travel together and are checked once."""
+
+    budget: int
+    sinks: int = MemoryConfig.sink_tokens
+    window: int = MemoryConfig.window_tokens
+    buckets: int = MemoryConfig.buckets
+
+    def __post_init__(self) -> None:
+        if min(self.sinks, self.window) < 0 or self.buckets < 1:
+            raise ValueError("sinks and window must be >= 0 and buckets >= 1")
+        if self.budget < self.sinks + self.window:
+            raise ValueError(f"budget {self.budget} must hold the sinks ({self.sinks}) + "
+                             f"window ({self.window})")
+
+    @classmethod
+    def of(cls, config: MemoryConfig, buckets: int | None = None) -> EvictionLimits:
+        """The config's limits; `buckets`: a policy's own number (None: the config's)."""
+        return cls(config.budget_tokens, config.sink_tokens, config.window_tokens,
+                   buckets or config.buckets)
+
+
+def select_keep(times: torch.Tensor | np.ndarray, scores: torch.Tensor | np.ndarray,
+                limits: EvictionLimits) -> torch.LongTensor:
+    """Sorted cache-slot indices to keep: exactly min(T, limits.budget) of them.
 
     times:  (T,) arrival time of each slot's chunk, non-decreasing in slot order
     scores: (T,) retention score of each slot (higher is kept first; NaN counts as lowest)
@@ -46,11 +64,15 @@ def select_keep(
     in reverse slot order, and a stable sort of that order by bucket ranks each bucket. The
     result comes from a keep mask, already sorted. In numpy: at a few thousand slots each op
     costs about a microsecond, a torch op on the CPU several (the eviction's budget is 1 % of a
-    tiny model's forward). `reference.select_keep_reference` is the loop it is tested against.
+    tiny model's forward). `policy_reference.select_keep_reference` is the loop it is tested
+    against.
     """
     times, scores = np.asarray(times), np.asarray(scores)
     total = times.size
-    check_limits(total, scores.size, budget, sinks, window, buckets)
+    if scores.size != total:
+        raise ValueError(f"{total} times but {scores.size} scores")
+    budget, sinks, window, buckets = (limits.budget, limits.sinks, limits.window,
+                                      limits.buckets)
     if total <= budget:
         return torch.arange(total)
     candidates = np.arange(total - window - 1, sinks - 1, -1)  # newest first
@@ -78,72 +100,6 @@ def select_keep(
     keep[candidates[in_share]] = True
     keep[candidates[rest]] = True
     return torch.from_numpy(np.flatnonzero(keep))
-
-
-def select_runs(
-    runs: Sequence[tuple[int, float, float]],
-    budget: int,
-    sinks: int = MemoryConfig.sink_tokens,
-    window: int = MemoryConfig.window_tokens,
-    buckets: int = MemoryConfig.buckets,
-) -> list[list[int]]:
-    """`select_keep` on runs of slots: per run, how many of its first and last slots to keep.
-
-    runs: (length, time, score) of consecutive runs of slots in arrival order whose slots share
-    a time and a score (under a per-chunk policy a chunk is one run). Returns (head, tail) per
-    run: its first `head` and last `tail` slots stay, the ones between are evicted.
-
-    Why it is enough: the slots of a run tie, and ties go to the later slot, so a run keeps a
-    suffix of its candidates, next to its window part; only its sinks sit at its start. The
-    choice is then a loop over a few dozen runs instead of sorts over every slot (at the tiny
-    model's sizes bench.engine_overhead times both). Equal to select_keep on the runs expanded
-    to slots (test_policy).
-    """
-    total = sum(length for length, _, _ in runs)
-    check_limits(total, total, budget, sinks, window, buckets)
-    if min((length for length, _, _ in runs), default=1) < 1:
-        raise ValueError("runs must hold at least one slot each")
-    if total <= budget:
-        return [[length, 0] for length, _, _ in runs]
-    kept, pieces, start = [], [], 0  # pieces: (score, first candidate, run, candidates, time)
-    lo, hi, window_start = math.inf, -math.inf, total - window
-    for i, (length, time_s, score) in enumerate(runs):
-        head = min(max(sinks - start, 0), length)
-        tail = min(max(start + length - window_start, 0), length - head)
-        kept.append([head, tail])
-        if length - head - tail:
-            rank = -math.inf if score != score else score  # NaN ranks lowest
-            pieces.append((rank, start + head, i, length - head - tail, time_s))
-            lo, hi = min(lo, time_s), max(hi, time_s)
-        start += length
-    best_first = sorted(pieces, reverse=True)  # by score, ties to the later run
-    share = bucket_shares(budget - sinks - window, buckets)
-    rest = []
-    for _, _, i, count, time_s in best_first:
-        bucket = 0 if hi <= lo else min(int((time_s - lo) / (hi - lo) * buckets), buckets - 1)
-        take = min(share[bucket], count)
-        share[bucket] -= take
-        kept[i][1] += take
-        if take < count:
-            rest.append((i, count - take))
-    spare = sum(share)  # buckets thinner than their share: the best of the rest, any bucket
-    for i, count in rest:
-        if not spare:
-            break
-        take = min(spare, count)
-        kept[i][1] += take
-        spare -= take
-    return kept
-
-
-def check_limits(total: int, n_scores: int, budget: int, sinks: int, window: int,
-                buckets: int) -> None:
-    if n_scores != total:
-        raise ValueError(f"{total} times but {n_scores} scores")
-    if min(sinks, window) < 0 or buckets < 1:
-        raise ValueError("sinks and window must be >= 0 and buckets >= 1")
-    if budget < sinks + window:
-        raise ValueError(f"budget {budget} must hold the sinks ({sinks}) + window ({window})")
 
 
 def bucket_of(times: np.ndarray, buckets: int) -> np.ndarray:
@@ -200,7 +156,6 @@ class RetentionPolicy:
     buckets: int | None = None
     records: str | None = None
     needs_saliency = False
-    scores_chunks = True  # every token of a chunk gets one score (eviction by runs applies)
 
     def score(self, chunk: ChunkSignals) -> torch.Tensor:
         """(num_tokens,) float32 scores for the chunk's tokens."""
@@ -212,7 +167,7 @@ class RetentionPolicy:
 
 class ChunkScorePolicy(RetentionPolicy):
     """One score per chunk, `chunk_score(chunk)`, given to each of its tokens: DeltaS and the
-    per-chunk baselines (eviction by runs applies)."""
+    per-chunk baselines."""
 
     def __init__(self, name: str, chunk_score: Callable[[ChunkSignals], float],
                  buckets: int | None = None, records: str | None = None) -> None:
@@ -226,8 +181,6 @@ class ChunkScorePolicy(RetentionPolicy):
 class TokenScorePolicy(RetentionPolicy):
     """A score per token, `token_score(chunk)` -> (num_tokens,): a chunk that only partly fits
     its bucket keeps its best tokens."""
-
-    scores_chunks = False
 
     def __init__(self, name: str, token_score: Callable[[ChunkSignals], torch.Tensor],
                  records: str | None = None, needs_saliency: bool = False) -> None:
@@ -244,7 +197,6 @@ class InfiniPotVPolicy(RetentionPolicy):
     value norm (VaN), so a kept token is both new and salient."""
 
     name = "infinipot_v"
-    scores_chunks = False
 
     def __init__(self) -> None:
         self.previous: list[torch.Tensor] | None = None

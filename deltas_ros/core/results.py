@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, NamedTuple
 
 from .poses import Pose
@@ -11,15 +11,13 @@ if TYPE_CHECKING:  # plain data: offline runs read and write these without torch
     import torch
 
     from .frames import SampledChunk
-    from .slots import SlotTable
 
 
 @dataclass
-class ChunkResult:
-    """What one chunk did to the memory, with its cost in milliseconds."""
+class ChunkFigures:
+    """What one chunk did to the memory, with its cost in milliseconds: the figures the engine's
+    `ChunkResult` and the stream's `ChunkRecord` both report."""
 
-    index: int
-    time: float
     drift: float
     layer_drift: list[float]
     chunk_tokens: int
@@ -28,35 +26,43 @@ class ChunkResult:
     forward_ms: float
     signal_ms: float
     evict_ms: float
+
+
+@dataclass
+class _ResultKey:
+    index: int
+    time: float
+
+
+@dataclass
+class _RecordKey:
+    chunk_index: int  # the sampler's index, as the node publishes it
+    stream_time: float
+    stamp: float  # header stamp of the chunk's last frame
+
+
+# A dataclass takes its bases' fields from the last base to the first: each report's key comes
+# first, then the figures, then its own fields (the order of ChunkRecord's columns).
+@dataclass
+class ChunkResult(ChunkFigures, _ResultKey):
+    """What one chunk did to the memory, with its cost in milliseconds."""
+
     stamp: float | None = None
     positions_freed: int = 0  # by a position compaction just before this chunk
     pose: Pose | None = None  # the robot's pose at `stamp`, when known
 
 
 @dataclass
-class ChunkRecord:
+class ChunkRecord(ChunkFigures, _RecordKey):
     """One processed chunk as the stream reports it: the fields the node publishes on ~/drift
     (DriftScore) and offline runs write, one per line."""
-
-    chunk_index: int  # the sampler's index, as the node publishes it
-    stream_time: float
-    stamp: float  # header stamp of the chunk's last frame
-    drift: float
-    layer_drift: list[float]
-    chunk_tokens: int
-    kv_tokens: int
-    evicted_tokens: int
-    forward_ms: float
-    signal_ms: float
-    evict_ms: float
 
     @classmethod
     def from_result(cls, chunk: SampledChunk, result: ChunkResult) -> ChunkRecord:
         """The record of `result`, numbered and stamped by the sampler's `chunk`."""
-        return cls(chunk.index, result.time, chunk.stamps[-1], result.drift,
-                   [float(x) for x in result.layer_drift], result.chunk_tokens,
-                   result.kv_tokens, result.evicted_tokens, result.forward_ms,
-                   result.signal_ms, result.evict_ms)
+        figures = {f.name: getattr(result, f.name) for f in fields(ChunkFigures)}
+        figures["layer_drift"] = [float(x) for x in result.layer_drift]
+        return cls(chunk.index, result.time, chunk.stamps[-1], **figures)
 
 
 @dataclass
@@ -82,17 +88,6 @@ class Answer:
     cancelled: bool = False
     evidence_poses: list[Pose | None] = field(default_factory=list)
     reasoning: str = ""
-
-    @classmethod
-    def from_evidence(cls, text: str, evidence: list[int], slots: SlotTable,
-                      **fields) -> Answer:
-        """The answer with the times, stamps and poses of its `evidence` chunks and the span
-        of `slots` (the memory as the question saw it)."""
-        span_start, span_end = slots.span()
-        return cls(text=text, evidence_times=[slots.chunk_time(c) for c in evidence],
-                   evidence_stamps=[slots.stamp(c) for c in evidence],
-                   evidence_poses=[slots.pose(c) for c in evidence],
-                   span_start=span_start, span_end=span_end, **fields)
 
 
 class HeldChunk(NamedTuple):

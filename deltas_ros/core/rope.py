@@ -40,7 +40,7 @@ class RotaryShift:
 
     rows: (rotary_dim,) which position row (0 T, 1 H, 2 W) each rotary channel reads, laid out
     like the model's cos/sin; inv_freq: (rotary_dim // 2,) the model's inverse frequencies.
-    `backend.rotary_shift` reads both from a loaded model.
+    `of` reads both from a loaded model.
     Angles are computed in float64 and applied in float32, so the only error beyond the original
     rotation's own float32 rounding is one rounding to the cache dtype (bf16 on CUDA).
     """
@@ -49,6 +49,14 @@ class RotaryShift:
         self.rows = rows.long().cpu()
         self.inv_freq = torch.cat([inv_freq, inv_freq]).double().cpu()
         self.rotary_dim = self.rows.numel()
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> RotaryShift:
+        """Key re-rotation for a Qwen3.5 `model`'s text rotary embedding."""
+        rotary = model.model.language_model.rotary_emb
+        half = rotary.inv_freq.numel()
+        rows = rotary.recomposition_frequencies(torch.arange(3.0)[:, None].repeat(1, half))
+        return cls(rows, rotary.inv_freq)
 
     def __call__(self, keys: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """keys (B, kv_heads, T, head_dim) rotated at positions p -> the same keys at p + shift.

@@ -1,7 +1,10 @@
-"""Per-token retention signals beside DeltaS: the state surprise and the published baselines.
+"""Per-token retention signals beside DeltaS: those that read the state, and the published
+baselines.
 
 Each is a score under the one shared selection (policy.select_keep): only the score differs.
 
+- write strength (beta*||e||): what the gated delta rule writes for each token, replayed token
+  by token with decay: beta_t * ||v_t - alpha_t S_{t-1} k_t||.
 - state surprise: what the gated delta rule would write for token t against the state as it was
   before the chunk, beta_t * ||v_t - S_before k_t||, relative to ||v_t|| and averaged over the
   linear-attention layers (Eq. 3's layer average, at token level). One batched matmul per layer
@@ -9,62 +12,83 @@ Each is a score under the one shared selection (policy.select_keep): only the sc
 - temporal redundancy (InfiniPot-V's TaR): how unlike its key is to the key at the same place in
   the previous chunk (the most recent frame when the chunk arrived), times the value norm (VaN).
 - proxy saliency (StreamMem): the attention the chat template's generic assistant-turn tokens
-  put on each cached slot, over the full-attention layers.
+  put on each cached slot, over the full-attention layers (StreamingMemory.saliency).
 - pixel difference: the chunk's mean absolute pixel change from the previous chunk's frames.
 
-The slow versions are in reference.py; test_signals compares them.
+The slow versions are in signals_reference.py; test_signals compares them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from .backend import Backend
 
 # Low mantissa bits of a float32 score that `lexicographic` gives to the within-chunk rank.
 RANK_BITS = 8
 
 
-def state_surprise(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    normalize_keys: bool = True,
-) -> torch.Tensor:
+def write_strength(key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   initial_state: torch.Tensor | None, normalize_keys: bool = True
+                   ) -> torch.Tensor:
+    """beta_t * ||v_t - alpha_t S_{t-1} k_t|| per token: the baseline signal beta*||e||.
+
+    Replays the gated delta rule token by token (the residual is not a by-product of the chunked
+    kernel, which is why this signal costs ~100x more than state drift).
+    key: (B, n, Hk, dk), value: (B, n, Hv, dv), g (log alpha), beta: (B, n, Hv),
+    initial_state: (B, Hv, dk, dv) or None. Returns (B, n), averaged over value heads.
+    """
+    key = _kernel_keys(key, value.shape[2], normalize_keys)
+    value, g, beta = value.float(), g.float(), beta.float()
+    batch, length, heads, dk = key.shape
+    state = (torch.zeros(batch, heads, dk, value.shape[-1], device=value.device)
+             if initial_state is None else initial_state.float().clone())
+    strength = torch.empty(batch, length, device=value.device)
+    for t in range(length):
+        k_t, v_t = key[:, t], value[:, t]  # (B, H, dk), (B, H, dv)
+        state = state * g[:, t].exp()[..., None, None]
+        residual = v_t - torch.einsum("bhkv,bhk->bhv", state, k_t)
+        written = beta[:, t, :, None] * residual
+        state = state + k_t[..., :, None] * written[..., None, :]
+        strength[:, t] = written.norm(dim=-1).mean(-1)
+    return strength
+
+
+def state_surprise(key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   initial_state: torch.Tensor | None, normalize_keys: bool = True
+                   ) -> torch.Tensor:
     """beta_t * ||v_t - S_before k_t|| / ||v_t|| per token, norms over all value heads.
 
     key: (B, n, Hk, dk), value: (B, n, Hv, dv), beta: (B, n, Hv), initial_state (S_before):
     (B, Hv, dk, dv) or None (zeros). Returns (B, n) float32. g (the decay) is unused: every token
     is measured against the state before the chunk, not the one its predecessors left.
 
-    Keys are l2-normalised and repeated to the value heads as the kernel does. Dividing by
-    ||v_t|| makes the signal scale-free: layers whose values differ in scale weigh alike in the
-    layer mean, and chunks stay comparable (a per-chunk normalisation would erase the difference
-    between chunks that the selection ranks). The ratio is 0 for a zero value.
+    Dividing by ||v_t|| makes the signal scale-free: layers whose values differ in scale weigh
+    alike in the layer mean, and chunks stay comparable (a per-chunk normalisation would erase
+    the difference between chunks that the selection ranks). The ratio is 0 for a zero value.
     """
     del g
-    heads = value.shape[2]
-    k = key.float()
-    if normalize_keys:
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     value = value.float()
     residual = value
     if initial_state is not None:
-        k = k.repeat_interleave(heads // k.shape[2], dim=2).transpose(1, 2)  # (B, Hv, n, dk)
+        k = _kernel_keys(key, value.shape[2], normalize_keys).transpose(1, 2)  # (B, Hv, n, dk)
         retrieved = torch.matmul(k, initial_state.float()).transpose(1, 2)  # (B, n, Hv, dv)
         residual = value - retrieved
     written = (beta.float()[..., None] * residual).flatten(2)
     scale = value.flatten(2).norm(dim=-1)
     ratio = written.norm(dim=-1) / scale.clamp_min(torch.finfo(torch.float32).tiny)
     return torch.where(scale > 0, ratio, torch.zeros_like(ratio))
+
+
+def _kernel_keys(key: torch.Tensor, heads: int, normalize: bool) -> torch.Tensor:
+    """Keys (B, n, Hk, dk) as the chunked kernel reads them: float32, l2-normalised when it
+    normalises, repeated to the `heads` value heads: (B, n, heads, dk)."""
+    key = key.float().repeat_interleave(heads // key.shape[2], dim=2)
+    if normalize:
+        key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
+    return key
 
 
 def layer_mean(per_layer: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -111,28 +135,6 @@ def temporal_redundancy(keys: Sequence[torch.Tensor],
                                               dim=-1).mean(0)
         for k, p in zip(keys, previous)]).mean(0)
     return torch.cat([torch.zeros(n - m, device=sims.device), sims]).cpu()
-
-
-def proxy_saliency(backend: Backend, ids: torch.Tensor, positions: torch.Tensor,
-                   slots: int) -> torch.Tensor:
-    """(slots,) mean attention the proxy tokens put on each cache slot, then rolled back.
-
-    ids (1, L), positions (3, 1, L): the generic query (the assistant-turn opening) after the
-    stream. The forward runs over the live cache with the attention-mass hooks; the
-    linear-attention states are copied back and the KV cut to its old length, so the memory is
-    as before. The mass is divided by layers x heads x queries: each query's softmax sums to 1.
-    """
-    live = backend.recurrent_states() + backend.conv_states()
-    saved = [state.clone() for state in live]
-    length = backend.kv_tokens
-    try:
-        with backend.attention_mass(slots) as mass:
-            backend.prefill_text(ids, positions)
-    finally:
-        torch._foreach_copy_(live, saved)
-        backend.truncate(length)
-    layer = backend.model.config.text_config
-    return mass / (len(backend.full) * layer.num_attention_heads * ids.shape[1])
 
 
 def pixel_difference(frames: Sequence[np.ndarray], previous: Sequence[np.ndarray] | None

@@ -11,26 +11,19 @@ One row per slot of every full-attention layer (all layers hold the same slots):
     stamps    {chunk: header stamp or None} of the chunks still held
     poses     {chunk: robot pose at its stamp or None} of the chunks still held (poses.Pose)
 
-Slots need not sit in arrival order: an eviction may fill the holes it leaves with the slots at
-the end of the cache (`keep_slots`, `keep_runs`), since attention does not care where a key sits
-(it carries its rotary position). Everything that depends on order (the window, ties, time
-buckets, position compaction) reads the slots in `arrival_order()`.
+Slots need not sit in arrival order: an eviction fills the holes it leaves with the slots at the
+end of the cache (`keep_slots`), since attention does not care where a key sits (it carries its
+rotary position). Everything that depends on order (the window, ties, time buckets, position
+compaction) reads the slots in `arrival_order()`. eviction_reference.py holds the slow versions
+`keep_slots` is tested against (a gather of every kept slot; `fill_plan`).
 
-`runs()` describes the same slots by runs (`Run`): consecutive in arrival order, one chunk, one
-time, one score, held at a few slot ranges (extents). Under a per-chunk policy a chunk is one
-run, so an eviction can choose runs and move slot ranges (policy.select_runs, `keep_runs`)
-instead of sorting and indexing every slot. reference.py holds the slow versions both are tested
-against (a gather of every kept slot; `fill_plan`).
-
-A table is immutable: append, keep_slots, keep_runs and moved return a new one, so a snapshot
-of the memory holds its table by reference and a rollback is one assignment (`runs()` only
-caches what the rows already say).
+A table is immutable: append, keep_slots and moved return a new one, so a snapshot of the
+memory holds its table by reference and a rollback is one assignment.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -38,33 +31,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .policy import bucket_of
+from .policy import EvictionLimits, bucket_of
 from .poses import Pose
-from .results import HeldChunk
+from .results import Answer, HeldChunk
 from .rope import compacted_positions
 
 PREFIX_CHUNK = -1  # chunk index of the chat prefix's slots
 MAX_CHUNKS = 2**31  # chunk indices and counters fit a signed 32-bit field
 MAX_ARRIVAL = 2**62  # arrival ranks: tokens of a stream, far from int64's end
-
-
-class Run(NamedTuple):
-    """`length` slots consecutive in arrival order, all of one chunk, time and score, held in the
-    cache at `extents`: (first slot, count) ranges in arrival order (one, until an eviction's
-    fill splits a chunk across the holes it fills)."""
-    length: int
-    chunk: int
-    time: float
-    score: float
-    extents: tuple[tuple[int, int], ...]
-    top: int  # 1 + the highest slot of the extents
-
-    @classmethod
-    def at(cls, chunk: int, time_s: float, score: float,
-           extents: tuple[tuple[int, int], ...]) -> Run:
-        """The run of `chunk` held at `extents` (its length and top follow from them)."""
-        return cls(sum(count for _, count in extents), chunk, time_s, score, extents,
-                   max(slot + count for slot, count in extents))
 
 
 class Move(NamedTuple):
@@ -86,8 +60,6 @@ class SlotTable:
     arrival: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     next_arrival: int = 0
     poses: dict[int, Pose | None] = field(default_factory=dict)
-    # The runs when known (append and keep_runs carry them on); None: derived on first use.
-    known_runs: tuple[Run, ...] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.time.numel()
@@ -103,65 +75,21 @@ class SlotTable:
         stamp = None if stamp is None else float(stamp)
         stamps = self.stamps if chunk == PREFIX_CHUNK else {**self.stamps, chunk: stamp}
         poses = self.poses if chunk == PREFIX_CHUNK else {**self.poses, chunk: pose}
-        scores = scores.float().cpu()
-        runs = None if self.known_runs is None else self.known_runs + tuple(
-            Run.at(chunk, float(time_s), score, ((len(self) + start, length),))
-            for start, length, score in _equal_spans(scores.numpy()))
         return SlotTable(
             torch.cat([self.time, torch.full((n,), time_s, dtype=torch.float64)]),
-            torch.cat([self.score, scores]),
+            torch.cat([self.score, scores.float().cpu()]),
             torch.cat([self.chunk, torch.full((n,), chunk, dtype=torch.long)]),
             torch.cat([self.position, positions], 1),
             stamps,
             torch.cat([self.arrival, torch.arange(self.next_arrival, self.next_arrival + n)]),
             self.next_arrival + n,
             poses,
-            runs,
         )
-
-    def runs(self) -> tuple[Run, ...]:
-        """The slots as runs in arrival order (see the module docstring); derived from the rows
-        once for a table built slot by slot (keep_slots, a loaded file)."""
-        if self.known_runs is None:
-            object.__setattr__(self, "known_runs", _runs_of(self))  # a cache, not a change
-        return self.known_runs
-
-    def keep_runs(self, kept: Sequence[Sequence[int]]) -> tuple[SlotTable, list[Move]]:
-        """The table after run i of `runs()` kept its first kept[i][0] and last kept[i][1] slots
-        (policy.select_runs), and the moves that make it so: the kept slots at or above the new
-        size fill the evicted ones below it, in slot order. The same table and the same slot
-        pairs as `keep_slots` (test_eviction), without an index per slot."""
-        size = sum(head + tail for head, tail in kept)
-        holes, movers, pieces = [], [], []  # (first, end) slot ranges; (run, kept ranges)
-        for run, (head, tail) in zip(self.runs(), kept, strict=True):
-            if head + tail == run.length and run.top <= size:  # most runs: untouched
-                pieces.append((run, None))
-                continue
-            held, at = [], 0  # the run's kept slot ranges; its slots before this extent
-            for slot, count in run.extents:
-                for first, end, keep in _split(slot, count, head - at, run.length - tail - at):
-                    if not keep:
-                        if first < size:
-                            holes.append((first, min(end, size)))
-                        continue
-                    held.append((first, end))
-                    if end > size:
-                        movers.append((max(first, size), end))
-                at += count
-            if held:  # a run evicted whole leaves the table
-                pieces.append((run, held))
-        moves = _paired(_joined(holes), _joined(movers))
-        sources = [move.source for move in moves]
-        runs = tuple(run if held is None else Run.at(run.chunk, run.time, run.score,
-                                                     _located(held, size, moves, sources))
-                     for run, held in pieces)
-
-        return self.after_moves(moves, size, runs), moves
 
     def keep_slots(self, kept: torch.Tensor) -> tuple[SlotTable, list[Move]]:
         """The table after only the slots `kept` (any order) stay (policy.select_keep), and the
         moves that make it so: the kept slots at or above the new size fill the evicted ones
-        below it, in slot order, as ranges. `keep_runs` is the same for a choice by runs."""
+        below it, in slot order, as ranges (O(evicted) moves, not a copy of every kept slot)."""
         size = kept.numel()
         keep = np.zeros(len(self), dtype=bool)
         keep[kept.numpy()] = True
@@ -169,10 +97,8 @@ class SlotTable:
                         _ranges(np.flatnonzero(keep[size:]) + size))
         return self.after_moves(moves, size), moves
 
-    def after_moves(self, moves: Sequence[Move], size: int,
-                    runs: tuple[Run, ...] | None = None) -> SlotTable:
-        """The table after `moves` and a cut to `size` slots; `runs`: the new table's runs when
-        the caller knows them (else derived when asked)."""
+    def after_moves(self, moves: Sequence[Move], size: int) -> SlotTable:
+        """The table after `moves` and a cut to `size` slots."""
         def moved(row: torch.Tensor) -> torch.Tensor:  # numpy: cheaper than torch for slices
             data = row.numpy()
             out = data[..., :size].copy()
@@ -181,19 +107,18 @@ class SlotTable:
             return torch.from_numpy(out)
 
         chunk = moved(self.chunk)
-        stamps, poses = self.held(chunk if runs is None else {run.chunk for run in runs})
+        stamps, poses = self.held(chunk)
         return SlotTable(moved(self.time), moved(self.score), chunk, moved(self.position),
-                         stamps, moved(self.arrival), self.next_arrival, poses, runs)
+                         stamps, moved(self.arrival), self.next_arrival, poses)
 
     def moved(self, positions: torch.Tensor) -> SlotTable:
-        """The table with new (3, T) positions (after a compaction; runs hold no position)."""
+        """The table with new (3, T) positions (after a compaction)."""
         return replace(self, position=positions)
 
-    def held(self, chunk: torch.Tensor | set[int]) -> tuple[dict[int, float | None],
-                                                           dict[int, Pose | None]]:
-        """The stamps and poses of the chunks a new table still holds: its chunk row, or the
-        set of its chunks."""
-        held = chunk if isinstance(chunk, set) else set(np.unique(chunk.numpy()).tolist())
+    def held(self, chunk: torch.Tensor) -> tuple[dict[int, float | None],
+                                                 dict[int, Pose | None]]:
+        """The stamps and poses of the chunks a new table still holds (its chunk row)."""
+        held = set(np.unique(chunk.numpy()).tolist())
         return ({c: s for c, s in self.stamps.items() if c in held},
                 {c: p for c, p in self.poses.items() if c in held})
 
@@ -216,19 +141,19 @@ class SlotTable:
         """Indices of the stream chunks with at least one slot held, oldest first."""
         return self.chunk[self.chunk >= 0].unique().tolist()
 
-    def held_chunks(self, sinks: int, window: int, buckets: int) -> list[HeldChunk]:
+    def held_chunks(self, limits: EvictionLimits) -> list[HeldChunk]:
         """The held stream chunks, oldest first, each with its slots, the temporal bucket
         its evictable slots (between the sinks and the recent window, in arrival order) fall
         in as the next eviction would see them (-1: all of them are sinks or window) and its
         pose.
-        `reference.held_chunks_reference` is the per-chunk loop it is tested against."""
+        `policy_reference.held_chunks_reference` is the per-chunk loop it is tested against."""
         order = self.arrival_order().numpy()
         chunk, time = self.chunk.numpy()[order], self.time.numpy()[order]
         bucket = np.full(chunk.size, -1, dtype=np.int16)
-        lo = min(sinks, chunk.size)
-        hi = max(chunk.size - window, lo)
+        lo = min(limits.sinks, chunk.size)
+        hi = max(chunk.size - limits.window, lo)
         if hi > lo:
-            bucket[lo:hi] = bucket_of(time[lo:hi], buckets)
+            bucket[lo:hi] = bucket_of(time[lo:hi], limits.buckets)
         stream = chunk >= 0  # a chunk's slots are consecutive in arrival order
         ids, starts, counts = np.unique(chunk[stream], return_index=True, return_counts=True)
         first = np.flatnonzero(stream)[starts]
@@ -252,6 +177,15 @@ class SlotTable:
 
     def pose(self, chunk: int) -> Pose | None:
         return self.poses.get(chunk)
+
+    def answer(self, text: str, evidence: list[int], **fields) -> Answer:
+        """The answer `text` with the times, stamps and poses of its `evidence` chunks and the
+        span of this table (the memory as the question saw it); `fields`: Answer's others."""
+        span_start, span_end = self.span()
+        return Answer(text=text, evidence_times=[self.chunk_time(c) for c in evidence],
+                      evidence_stamps=[self.stamp(c) for c in evidence],
+                      evidence_poses=[self.pose(c) for c in evidence],
+                      span_start=span_start, span_end=span_end, **fields)
 
     # ----------------------------------------------------------------------------- persistence
     def export(self) -> dict[str, torch.Tensor]:
@@ -314,60 +248,6 @@ def _ranges(slots: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), ends.tolist()))
 
 
-def _equal_spans(scores: np.ndarray) -> list[tuple[int, int, float]]:
-    """(start, length, score) of the spans of equal consecutive scores (NaN: one slot each)."""
-    if scores.size and bool((scores == scores[0]).all()):
-        return [(0, int(scores.size), float(scores[0]))]
-    starts = np.flatnonzero(np.r_[True, scores[1:] != scores[:-1]])
-    lengths = np.diff(np.r_[starts, scores.size])
-    return list(zip(starts.tolist(), lengths.tolist(), scores[starts].tolist()))
-
-
-def _runs_of(table: SlotTable) -> tuple[Run, ...]:
-    """The runs of a table's rows: breaks in arrival order where the chunk, time or score
-    changes; extents also break where a slot's successor in arrival order is not the next slot.
-    """
-    if not len(table):
-        return ()
-    order = table.arrival_order().numpy()
-    chunk, time_s = table.chunk.numpy()[order], table.time.numpy()[order]
-    score = table.score.numpy()[order]
-    new_run = np.r_[True, (chunk[1:] != chunk[:-1]) | (time_s[1:] != time_s[:-1])
-                    | (score[1:] != score[:-1])]
-    starts = np.flatnonzero(new_run)
-    cuts = [*np.flatnonzero(new_run | np.r_[True, np.diff(order) != 1]).tolist(), order.size]
-    slots, runs, j = order.tolist(), [], 0
-    for end, c, t, s in zip([*starts[1:].tolist(), order.size], chunk[starts].tolist(),
-                            time_s[starts].tolist(), score[starts].tolist()):
-        bounds = []
-        while cuts[j] < end:  # the cuts inside this run; j never goes back
-            bounds.append(cuts[j])
-            j += 1
-        runs.append(Run.at(c, t, s, tuple(
-            (slots[a], b - a) for a, b in zip(bounds, [*bounds[1:], end]))))
-    return tuple(runs)
-
-
-def _split(slot: int, count: int, gone: int, back: int) -> list[tuple[int, int, bool]]:
-    """An extent of `count` slots from `slot` cut where its run's evicted middle starts and
-    ends (`gone`, `back`: run offsets relative to the extent): (first, end, kept) pieces."""
-    gone, back = min(max(gone, 0), count), min(max(back, 0), count)
-    parts = ((slot, slot + gone, True), (slot + gone, slot + max(gone, back), False),
-             (slot + max(gone, back), slot + count, True))
-    return [part for part in parts if part[0] < part[1]]
-
-
-def _joined(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(first, end) slot ranges sorted, those that meet joined."""
-    joined: list[tuple[int, int]] = []
-    for first, end in sorted(ranges):
-        if joined and joined[-1][1] == first:
-            joined[-1] = (joined[-1][0], end)
-        else:
-            joined.append((first, end))
-    return joined
-
-
 def _paired(holes: list[tuple[int, int]], movers: list[tuple[int, int]]) -> list[Move]:
     """Moves that fill the hole ranges with the mover ranges in order (both sorted, as many
     slots each side), splitting ranges where their ends differ: fill_plan's pairing."""
@@ -384,30 +264,3 @@ def _paired(holes: list[tuple[int, int]], movers: list[tuple[int, int]]) -> list
             m += 1
             mover = movers[m] if m < len(movers) else None
     return moves
-
-
-def _located(held: list[tuple[int, int]], size: int, moves: list[Move],
-             sources: list[int]) -> tuple[tuple[int, int], ...]:
-    """(slot, count) extents where the kept slot ranges `held` (in arrival order) sit after
-    `moves` (slots at or above `size` moved; `sources`: the moves' sources, sorted), joined
-    where they meet."""
-    extents: list[tuple[int, int]] = []
-
-    def place(slot: int, count: int) -> None:
-        if extents and sum(extents[-1]) == slot:
-            extents[-1] = (extents[-1][0], extents[-1][1] + count)
-        else:
-            extents.append((slot, count))
-
-    for first, end in held:
-        if first < size:
-            place(first, min(end, size) - first)
-        at = max(first, size)
-        while at < end:  # each pass places a slot or more: the moves cover every mover
-            move = moves[bisect_right(sources, at) - 1]
-            count = min(end, move.source + move.count) - at
-            if count <= 0 or at < move.source:
-                raise RuntimeError(f"slot {at} is kept above the size {size} but not moved")
-            place(move.to + at - move.source, count)
-            at += count
-    return tuple(extents)
