@@ -272,7 +272,7 @@ TOKEN_SCORES: dict[str, tuple[Callable[[ChunkSignals], torch.Tensor], str | None
     # opening) puts on each token over the full-attention layers, at arrival.
     "streammem": (lambda c: c.saliency, None, True),
     # The paper's token-level state baseline: beta_t * ||v_t - alpha_t S_{t-1} k_t|| per token,
-    # replayed token by token with decay (drift.write_strength), not averaged per chunk.
+    # replayed token by token with decay (signals.write_strength), not averaged per chunk.
     "beta_error": (lambda c: c.recorded, "write_strength", False),
 }
 
