@@ -12,7 +12,7 @@ Each is a score under the one shared selection (policy.select_keep): only the sc
 - temporal redundancy (InfiniPot-V's TaR): how unlike its key is to the key at the same place in
   the previous chunk (the most recent frame when the chunk arrived), times the value norm (VaN).
 - proxy saliency (StreamMem): the attention the chat template's generic assistant-turn tokens
-  put on each cached slot, over the full-attention layers (StreamingMemory.saliency).
+  put on each cached slot, over the full-attention layers (asking.proxy_saliency).
 - pixel difference: the chunk's mean absolute pixel change from the previous chunk's frames.
 
 The slow versions are in signals_reference.py; test_signals compares them.
