@@ -210,3 +210,33 @@ def test_the_hour_worlds_words_extend_the_shipped_model(tmp_path):
     with pytest.raises(ValueError):
         load_init(new_model(replace(cfg, init=""), scene_tokenizer()), scene_tokenizer(True),
                   SHIPPED_MODEL)
+
+
+def test_hour_config_continues_the_shipped_model_and_resumes(tmp_path):
+    """config/train_hour.yaml loads and continues the shipped model with the hour world's words;
+    its last stage draws scenes.HOUR's streams and half its steps from the busy stage; a run
+    through every stage (streams shortened) resumed for its last step equals one straight."""
+    from deltas_ros.training.scenes import HOUR
+
+    root = Path(__file__).parents[1]
+    cfg = TrainConfig.from_file(root / "config/train_hour.yaml", batch=2, questions=2,
+                                validation_streams=2, validation_seconds=3, log_every=1)
+    assert cfg.extended and cfg.init == "deltas_ros/models/scenes-tiny"
+    last = cfg.stages[-1]
+    assert replace(last.options(), objects=HOUR.objects) == HOUR and last.mix == 0.5
+    stages = [replace(s, seconds=(2, 3), until_step=k + 1, batch=min(s.batch, 2),
+                      questions=min(s.questions, 2)) for k, s in enumerate(cfg.stages)]
+    cfg = replace(cfg, stages=stages, vision_pretrain=VisionPretrain(steps=1, batch=2),
+                  decay_fraction=0.0)  # the same rates whichever max_steps
+    straight = Trainer(replace(cfg, max_steps=5), tmp_path / "straight")
+    assert straight.vision_head.linear.out_features == 5 + 1 + 12 + 1
+    straight.run()
+    assert straight.stage_index == len(stages) - 1
+    Trainer(replace(cfg, max_steps=4), tmp_path / "resumed").run()
+    resumed = Trainer(replace(cfg, max_steps=5), tmp_path / "resumed", resume=True)
+    resumed.run()
+    for (name, a), b in zip(straight.model.state_dict().items(),
+                            resumed.model.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    with pytest.raises(ValueError):
+        TrainConfig.from_file(root / "config/train_hour.yaml", batch=1)  # below a stage's
