@@ -15,9 +15,13 @@ chunk by chunk with no eviction, then are asked, per stream:
   for every colour, reported apart where one object has it (unique) and where several do
   (shared: all of them, oldest first).
 Answers are the model's greedy words, scored by questions.is_correct; 95 % Wilson intervals.
+--hour: the hour world instead (scenes.HOUR with OBJECTS objects of its own in every 5-minute
+part, 60 identities), asked only the hour's questions: "seen" about every object and a
+never-shown control per object (the forms that list every match would list dozens).
 
     python -m bench.busy --streams 8 --out bench/results/busy
     python -m bench.busy --model OUT/model --streams 8 --out OUT/busy   # a training's export
+    python -m bench.busy --hour --model OUT/model --streams 4 --settings 3:1800 --out OUT/hour
 
 Honest limits: the question forms and scoring are the ones the model was trained on; a few
 streams per setting give wide intervals (read them).
@@ -40,10 +44,10 @@ from deltas_ros.core.loader import (
     resolve_pixel_budget,
 )
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
-from deltas_ros.training.palette import COLOURS, SHAPES
+from deltas_ros.training.palette import COLOURS, SHAPES, identities
 from deltas_ros.training.questions import QA, TEMPLATES, answer_for, identities_of, is_correct
 from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
-from deltas_ros.training.scenes import BUSY, SceneStream
+from deltas_ros.training.scenes import BUSY, HOUR, SceneStream
 
 from .answers import wilson
 from .common import add_answers_args, finish, md_table, memory_config, run_answers
@@ -53,14 +57,16 @@ KINDS = ("seen: shown", "seen: never shown", "colour: unique", "shape: unique",
 NEAR_NEGATIVE = 0.7  # share of negatives that share the shape or colour of a shown object
 
 
-def busy_questions(events: list[dict], seed: int) -> list[tuple[str, QA]]:
-    """(kind, question) about one stream, as the module docstring lists them."""
+def busy_questions(events: list[dict], seed: int, hour: bool = False) -> list[tuple[str, QA]]:
+    """(kind, question) about one stream, as the module docstring lists them (`hour`: the hour
+    world's identities and questions)."""
     rng = np.random.default_rng((seed, 13))
     objects = identities_of(events)
     shown = {(o["colour"], o["shape"]) for o in objects}
-    unseen = [(c, s) for c in COLOURS for s in SHAPES if (c, s) not in shown]
+    colours, shapes = identities(hour)
+    unseen = [(c, s) for c in colours for s in shapes if (c, s) not in shown]
     out: list[tuple[str, QA]] = []
-    for colour, shape in sorted(shown, key=lambda p: (SHAPES.index(p[1]), p[0])):
+    for colour, shape in sorted(shown, key=lambda p: (shapes.index(p[1]), p[0])):
         out.append(("seen: shown", ask_about("seen", events, colour, shape)))
     negatives = []
     for obj in objects:
@@ -71,6 +77,8 @@ def busy_questions(events: list[dict], seed: int) -> list[tuple[str, QA]]:
         if pool:
             negatives.append(pool[int(rng.integers(len(pool)))])
     out += [("seen: never shown", ask_about("seen", events, c, s)) for c, s in negatives]
+    if hour:
+        return out
     for shape in sorted({s for _, s in shown}, key=SHAPES.index):
         many = sum(s == shape for _, s in shown) > 1
         kind = f"colour: {'shared' if many else 'unique'}"
@@ -119,7 +127,8 @@ def busy_streams(args: argparse.Namespace, loaded: LoadedModel,
     """Each of --streams held-out busy streams per --settings OBJECTS:SECONDS, streamed chunk by
     chunk into a fresh memory of `config` (made as it is asked for: one at a time in memory)."""
     for objects, seconds in map(parse_setting, args.settings):
-        options = replace(BUSY, objects=(objects, objects))
+        options = replace(HOUR if getattr(args, "hour", False) else BUSY,
+                          objects=(objects, objects))
         for seed in range(args.first_seed, args.first_seed + args.streams):
             if seed >= VALIDATION_SEEDS:
                 raise ValueError("evaluation seeds must stay below the validation seeds")
@@ -137,7 +146,7 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                            max_new_tokens=args.max_new_tokens, evidence_candidates=0)
     with records_path.open("a") as out:
         for stream in busy_streams(args, loaded, config):
-            asked = busy_questions(stream.scene.events(), stream.seed)
+            asked = busy_questions(stream.scene.events(), stream.seed, args.hour)
             right = 0
             for kind, qa in asked:
                 text = stream.memory.ask(qa.question).text
@@ -184,11 +193,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--settings", nargs="+", default=["8:120", "12:300"],
                         help="OBJECTS:SECONDS per setting")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--hour", action="store_true",
+                        help="the hour world: OBJECTS objects of its own in every 5-min part")
     add_answers_args(parser)
     args, results, records, _ = run_answers("busy", parser, argv, evaluate)
     results["table"] = table = aggregate(records)
-    title = (f"The busy world with full memory: {Path(results['model']).name} on held-out busy "
-             "streams")
+    world = "hour" if args.hour else "busy"
+    title = (f"The {world} world with full memory: {Path(results['model']).name} on held-out "
+             f"{world} streams")
     return finish(args.out, results, title, report(table, records))
 
 
