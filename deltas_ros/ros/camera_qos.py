@@ -11,6 +11,7 @@ from rclpy.qos import HistoryPolicy
 
 HISTORIES = {"keep_last": HistoryPolicy.KEEP_LAST, "keep_all": HistoryPolicy.KEEP_ALL}
 
+
 def reliability_override(node: Node, topic: str) -> str | None:
     """The camera subscription's reliability from rclpy's QoS override parameter
     `qos_overrides.<topic>.subscription.reliability` ("reliable" or "best_effort"); None when
