@@ -155,16 +155,23 @@ def test_busy_config_continues_a_model_and_resumes(tmp_path):
     assert all(s.options().busy for s in short) and cfg.vision_pretrain.steps == 0
     cfg = replace(cfg, stages=short)
     shipped = load_model(SHIPPED_MODEL, "cpu").model.state_dict()
-    straight = Trainer(replace(cfg, max_steps=3), tmp_path / "straight")
-    for name, weights in straight.model.state_dict().items():
+    for name, weights in Trainer(cfg, tmp_path / "init").model.state_dict().items():
         torch.testing.assert_close(weights, shipped[name], msg=name)
+    _resumed_equals_straight(cfg, tmp_path, 3)
+
+
+def _resumed_equals_straight(cfg: TrainConfig, tmp_path: Path, steps: int) -> Trainer:
+    """Runs `steps` steps straight, and `steps` - 1 then one more resumed; the same weights.
+    Returns the straight run."""
+    straight = Trainer(replace(cfg, max_steps=steps), tmp_path / "straight")
     straight.run()
-    Trainer(replace(cfg, max_steps=2), tmp_path / "resumed").run()
-    resumed = Trainer(replace(cfg, max_steps=3), tmp_path / "resumed", resume=True)
+    Trainer(replace(cfg, max_steps=steps - 1), tmp_path / "resumed").run()
+    resumed = Trainer(replace(cfg, max_steps=steps), tmp_path / "resumed", resume=True)
     resumed.run()
     for (name, a), b in zip(straight.model.state_dict().items(),
                             resumed.model.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+    return straight
 
 
 def test_the_hour_worlds_words_extend_the_shipped_model(tmp_path):
@@ -228,15 +235,8 @@ def test_hour_config_continues_the_shipped_model_and_resumes(tmp_path):
                       questions=min(s.questions, 2)) for k, s in enumerate(cfg.stages)]
     cfg = replace(cfg, stages=stages, vision_pretrain=VisionPretrain(steps=1, batch=2),
                   decay_fraction=0.0)  # the same rates whichever max_steps
-    straight = Trainer(replace(cfg, max_steps=5), tmp_path / "straight")
+    straight = _resumed_equals_straight(cfg, tmp_path, 5)
     assert straight.vision_head.linear.out_features == 5 + 1 + 12 + 1
-    straight.run()
     assert straight.stage_index == len(stages) - 1
-    Trainer(replace(cfg, max_steps=4), tmp_path / "resumed").run()
-    resumed = Trainer(replace(cfg, max_steps=5), tmp_path / "resumed", resume=True)
-    resumed.run()
-    for (name, a), b in zip(straight.model.state_dict().items(),
-                            resumed.model.state_dict().values()):
-        torch.testing.assert_close(a, b, msg=name)
     with pytest.raises(ValueError):
         TrainConfig.from_file(root / "config/train_hour.yaml", batch=1)  # below a stage's
