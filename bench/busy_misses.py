@@ -32,7 +32,7 @@ import torch
 from deltas_ros.core.loader import LoadedModel, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES
-from deltas_ros.core.slots import PREFIX_CHUNK
+from deltas_ros.core.slot_table import PREFIX_CHUNK
 from deltas_ros.training.questions import identities_of, is_correct
 
 from .answers import wilson

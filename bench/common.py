@@ -30,7 +30,7 @@ from transformers import Qwen3_5ForConditionalGeneration
 from deltas_ros.core.config import NODE_NAME, MemoryConfig
 from deltas_ros.core.kernels import select_gated_delta_kernels
 from deltas_ros.core.loader import LoadedModel, default_dtype, load_model, resolve_model_path
-from deltas_ros.core.maker import (
+from deltas_ros.core.model_maker import (
     config_from_file,
     init_decay_like_trained,
     make_tokenizer,

@@ -36,7 +36,7 @@ from deltas_ros.srv import AskMemory
 from rclpy.executors import SingleThreadedExecutor
 
 from deltas_ros.core.config import DEFAULT_NODE
-from deltas_ros.core.maker import make_model
+from deltas_ros.core.model_maker import make_model
 from deltas_ros.ros.node import NOT_READY
 from deltas_ros.training.synth import NS_PER_S
 

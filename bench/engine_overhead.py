@@ -42,13 +42,13 @@ import torch
 
 from deltas_ros.core.drift import drift_of_views, drift_views
 from deltas_ros.core.eviction_reference import gather_table
-from deltas_ros.core.kv_slots import move_slots
+from deltas_ros.core.kv_ops import move_slots
 from deltas_ros.core.loader import LoadedModel
-from deltas_ros.core.maker import config_from_file
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.model_maker import config_from_file
 from deltas_ros.core.policy import POLICY_NAMES, EvictionLimits, select_keep
 from deltas_ros.core.signals import state_surprise, temporal_redundancy, write_strength
-from deltas_ros.core.slots import SlotTable
+from deltas_ros.core.slot_table import SlotTable
 from deltas_ros.training.synth import synth_stream
 
 from .common import (

@@ -63,7 +63,7 @@ from deltas_ros.core.chunks import ChunkBuilder
 from deltas_ros.core.config import DEFAULT_PIXEL_BUDGET
 from deltas_ros.core.decode import decode_message, message_stamp
 from deltas_ros.core.frames import FrameGate, FrameSampler
-from deltas_ros.core.maker import make_tokenizer, tiny_config
+from deltas_ros.core.model_maker import make_tokenizer, tiny_config
 from deltas_ros.ros.camera import CameraSubscription
 from deltas_ros.ros.cdr import raw_header, raw_stamp
 from deltas_ros.ros.lifecycle import FRAME_HISTORY

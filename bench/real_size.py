@@ -41,7 +41,11 @@ import torch
 
 from deltas_ros.core.asking import by_drop, leave_one_out_batched
 from deltas_ros.core.asking_reference import leave_one_out
-from deltas_ros.core.branches import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
+from deltas_ros.core.evidence_forward import (
+    EVIDENCE_BATCH_BYTES,
+    evidence_batch_bytes,
+    evidence_rows,
+)
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES, make_policy

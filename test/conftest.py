@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random-init Qwen3.5 saved to disk, loaded by tests through from_pretrained."""
-    from deltas_ros.core.maker import make_model
+    from deltas_ros.core.model_maker import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny")
 

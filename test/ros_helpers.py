@@ -376,7 +376,7 @@ def make_slow_loading_model(out_dir: Path, layers: int = 512) -> Path:
     the node during the load."""
     import torch
 
-    from deltas_ros.core.maker import make_model, tiny_config
+    from deltas_ros.core.model_maker import make_model, tiny_config
 
     layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
     config = tiny_config(text={"num_hidden_layers": layers, "layer_types": layer_types})

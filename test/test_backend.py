@@ -17,7 +17,7 @@ from transformers import AutoModelForImageTextToText
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltas_ros.core import kernels, kv_slots, kv_slots_reference, rope
+from deltas_ros.core import kernels, kv_ops, kv_ops_reference, rope
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 
@@ -131,8 +131,8 @@ def test_sliced_attention_mass_equals_the_one_shot_reference(slice_rows):
     queries = torch.randn(1, heads, length, dim, generator=gen)
     keys = torch.randn(1, kv_heads, total, dim, generator=gen)
     slots = total - length
-    one_shot = kv_slots_reference.attention_mass_reference(queries, keys, 0.17, 2, slots)
-    sliced = kv_slots.attention_mass_of(queries, keys, 0.17, 2, slots,
+    one_shot = kv_ops_reference.attention_mass_reference(queries, keys, 0.17, 2, slots)
+    sliced = kv_ops.attention_mass_of(queries, keys, 0.17, 2, slots,
                                        slice_elements=slice_rows * heads * total)
     torch.testing.assert_close(sliced, one_shot, rtol=1e-6, atol=1e-6)
 
@@ -168,7 +168,7 @@ def test_evidence_mass_equals_eager_attention_weights(tiny_model_dir, tiny_model
 def test_gather_slots_equals_index_select_on_the_slot_dimension():
     cache = torch.randn(2, 3, 50, 8)
     keep = torch.tensor([0, 1, 7, 8, 9, 30, 49])
-    assert torch.equal(kv_slots.gather_slots(cache, keep), cache.index_select(-2, keep))
+    assert torch.equal(kv_ops.gather_slots(cache, keep), cache.index_select(-2, keep))
 
 
 def test_the_states_live_in_the_stacked_buffers_and_the_model_updates_them_in_place(

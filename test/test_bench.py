@@ -29,7 +29,7 @@ from bench import (
     retention,
 )
 from bench.common import bench_model, verdict
-from deltas_ros.core.maker import config_from_file
+from deltas_ros.core.model_maker import config_from_file
 from deltas_ros.core.policy import POLICY_NAMES
 
 # Each script builds and runs a model: seconds each.

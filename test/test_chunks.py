@@ -7,7 +7,7 @@ from transformers import AutoProcessor
 from transformers.video_utils import VideoMetadata
 
 from deltas_ros.core.chunks import ChunkBuilder, smart_resize
-from deltas_ros.core.maker import make_processor
+from deltas_ros.core.model_maker import make_processor
 
 SIZES = [(480, 640), (720, 1280), (320, 320), (100, 700), (17, 40)]
 

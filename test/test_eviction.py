@@ -1,6 +1,6 @@
 """The engine's one eviction path, which moves only what it must (slot-range moves filling the
 evicted slots: select_keep + SlotTable.keep_slots + Backend.move), against the references
-beside it (core/eviction_reference.py, kv_slots_reference.py): every kept slot gathered
+beside it (core/eviction_reference.py, kv_ops_reference.py): every kept slot gathered
 (gather_evict), and one index per slot (fill_plan, fill_table, fill_cache).
 
 Attention does not care where a key sits in the cache, so filling the holes of the evicted slots
@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from deltas_ros.core.backend import Backend
 from deltas_ros.core.eviction_reference import fill_plan, fill_table, gather_evict, gather_table
-from deltas_ros.core.kv_slots_reference import fill_cache
+from deltas_ros.core.kv_ops_reference import fill_cache
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.persistence import load_memory, save_memory
 from deltas_ros.core.policy import POLICY_NAMES, EvictionLimits, select_keep
 from deltas_ros.core.policy_reference import held_chunks_reference
 from deltas_ros.core.poses import Pose
-from deltas_ros.core.slots import PREFIX_CHUNK, SlotTable
+from deltas_ros.core.slot_table import PREFIX_CHUNK, SlotTable
 
 STREAM = dict(budget_tokens=150, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
 

@@ -15,8 +15,8 @@ from transformers import AutoModelForImageTextToText
 from deltas_ros.core import asking
 from deltas_ros.core.asking import by_drop, leave_one_out_batched
 from deltas_ros.core.asking_reference import leave_one_out
-from deltas_ros.core.branches import branch_mask, evidence_batch_bytes, evidence_rows
-from deltas_ros.core.kv_slots_reference import gather_cache
+from deltas_ros.core.evidence_forward import branch_mask, evidence_batch_bytes, evidence_rows
+from deltas_ros.core.kv_ops_reference import gather_cache
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 

@@ -98,7 +98,7 @@ def reachable(module: str) -> set[str]:
 
 
 def test_the_node_never_reaches_the_tools_or_training():
-    """Not even through the core: the model loader once re-exported the tiny-model maker's
+    """Not even through the core: the model loader must not re-export the tiny-model maker's
     training helpers."""
     for module in modules():
         if module.startswith("ros.") and module not in {"ros.replay", "ros.ask_client"}:
@@ -117,8 +117,8 @@ def test_only_the_door_reaches_into_qwen3_5_modelling():
 def test_only_the_door_loader_maker_and_training_name_transformers():
     """An upgrade of transformers can only break these (docs/architecture.md)."""
     users = {m for m in modules() if "transformers" in source(m)}
-    assert users == {"core.backend", "core.kernels", "core.branches", "core.loader",
-                     "core.maker", "training.cache", "training.samples"}
+    assert users == {"core.backend", "core.kernels", "core.evidence_forward", "core.loader",
+                     "core.model_maker", "training.cache", "training.samples"}
 
 
 def test_no_module_is_over_the_line_limit():

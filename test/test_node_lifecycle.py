@@ -16,7 +16,7 @@ from rclpy.context import Context
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from ros_helpers import BASE_STAMP, Tester, indices, send_goal, start, status_values, stop
 
-from deltas_ros.core.maker import make_model, tiny_config
+from deltas_ros.core.model_maker import make_model, tiny_config
 from deltas_ros.ros.lifecycle_state import RefusedTransitions, lifecycle_state
 
 BIG_VOCAB = 300_000  # embedding + lm_head: 38 M parameters (154 MB) and almost no compute

@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from deltas_ros.core import persistence as persist
 from deltas_ros.core.loader import load_model
-from deltas_ros.core.maker import make_model, tiny_config
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.model_maker import make_model, tiny_config
 from deltas_ros.core.persistence import (
     MemoryFileError,
     config_sha256,

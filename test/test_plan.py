@@ -16,8 +16,8 @@ from transformers import Qwen3_5ForConditionalGeneration
 
 from deltas_ros.core import plan as plan_module
 from deltas_ros.core.loader import read_config
-from deltas_ros.core.maker import tiny_config
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.model_maker import tiny_config
 from deltas_ros.core.plan import PlanInputs, make_plan, mib
 from deltas_ros.runtime import params
 from deltas_ros.runtime.session import Session

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deltas_ros.core.loader import load_model, stop_token_ids
-from deltas_ros.core.maker import make_model
+from deltas_ros.core.model_maker import make_model
 from deltas_ros.runtime import params
 from deltas_ros.runtime.session import Session
 from deltas_ros.tools import cli

@@ -19,7 +19,7 @@ from nav_msgs.msg import Odometry
 
 from deltas_ros.core.poses import Pose, PoseBuffer
 from deltas_ros.core.results import Answer
-from deltas_ros.core.slots import SlotTable
+from deltas_ros.core.slot_table import SlotTable
 from deltas_ros.ros import memory_io as ros_memory
 from deltas_ros.ros.memory_io import POSE_TYPES, PoseInput, fill_answer, pose_of
 from deltas_ros.ros.messages import to_time_msg

@@ -1,7 +1,7 @@
 """Qwen3.5's reasoning block: the chat template's `enable_thinking`, rendered off by default and
 on by choice, with the reasoning returned apart from the answer.
 
-The tiny models' template (maker.CHAT_TEMPLATE) follows the published generation-prompt rule
+The tiny models' template (model_maker.CHAT_TEMPLATE) follows the published generation-prompt rule
 (a reasoning block opens unless `enable_thinking` is false), so the layout is checked against
 that behaviour, not against the shipped model's template, which hard-codes the closed block.
 """
@@ -15,8 +15,8 @@ from engine_helpers import TINY_FRAMES, feed
 
 from deltas_ros.core import asking
 from deltas_ros.core.loader import SHIPPED_MODEL, load_model
-from deltas_ros.core.maker import CHAT_TEMPLATE
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
+from deltas_ros.core.model_maker import CHAT_TEMPLATE
 from deltas_ros.core.prompt import ChatLayout
 from deltas_ros.tools.cli import main
 from deltas_ros.training.scenes import SceneOptions

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from .backend import Backend
-from .branches import EVIDENCE_BATCH_BYTES, answer_log_probs, evidence_rows
 from .config import MemoryConfig, question_problem
-from .slots import SlotTable
+from .evidence_forward import EVIDENCE_BATCH_BYTES, answer_log_probs, evidence_rows
+from .slot_table import SlotTable
 
 
 def accept_question(question: str, max_new_tokens: int | None, config: MemoryConfig,
@@ -68,7 +68,7 @@ def decode(backend: Backend, hidden: torch.Tensor, position: int, limit: int,
 
 
 @dataclass
-class Evidence:
+class EvidenceSearch:
     """How an answer's evidence is found: `count` chunks reported, the `candidates` attended to
     most tested by leaving each out (0: attention mass only); restore() puts the backend back
     as it was before the question (before the test); `batch_bytes` bounds each batched forward
@@ -81,13 +81,13 @@ class Evidence:
 
 
 def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position: int,
-                    limit: int, stop_ids: set[int], deadline: float, evidence: Evidence,
+                    limit: int, stop_ids: set[int], deadline: float, evidence: EvidenceSearch,
                     allowed: torch.Tensor | None = None,
                     on_token: Callable[[list[int]], None] | None = None,
                     cancelled: Callable[[], bool] | None = None,
                     ) -> tuple[list[int], list[int], str]:
     """Prefill the question `ids` at `position` and decode it (see `decode`): (generated ids,
-    evidence chunks (see `Evidence`), why decoding stopped). Changes the backend's states and
+    evidence chunks (see `EvidenceSearch`), why decoding stopped). Changes the backend's states and
     KV: the caller rolls them back.
 
     allowed (T,) bool: the slots the question may see (None: all); the others are left out of
@@ -118,7 +118,7 @@ def leave_one_out_batched(backend: Backend, slots: SlotTable, ids: list[int], an
                           batch_bytes: int = EVIDENCE_BATCH_BYTES) -> dict[int, float]:
     """`asking_reference.leave_one_out`'s drops from batched forwards over the memory's cache
     as it is: row 0 hides nothing but what `allowed` leaves out, row i + 1 also candidate i's
-    slots, by the attention mask (`branches.answer_log_probs`); as many rows a forward as
+    slots, by the attention mask (`evidence_forward.answer_log_probs`); as many rows a forward as
     `evidence_rows` fits in `batch_bytes`. No K/V copy per candidate, and the backend is only
     read, so it needs no restore. Stops before a batch at `deadline` or `cancelled()`: the
     candidates of the batches run are tested (all of them when one batch holds them), the

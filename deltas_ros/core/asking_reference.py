@@ -11,7 +11,7 @@ import torch
 
 from .asking import text_positions
 from .backend import Backend
-from .slots import SlotTable
+from .slot_table import SlotTable
 
 
 def answer_log_prob(backend: Backend, ids: list[int], answer: list[int], position: int,

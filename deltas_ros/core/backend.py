@@ -5,9 +5,9 @@ text, one decoding step, snapshot/restore of the linear-attention states (and fo
 the spot), the KV length, moving and truncating KV slots, re-rotating cached keys, the attention
 mass of a question on each slot, the folded forward the evidence search batches its rows in, and
 the recording of a per-token signal of the gated delta rule. Only this module and `kernels`
-(which kernel each Gated DeltaNet module runs) import `transformers.models.qwen3_5`; `branches`
-and training's `cache` subclass or fill transformers' public cache class, the loader and the
-maker use its public classes only.
+(which kernel each Gated DeltaNet module runs) import `transformers.models.qwen3_5`;
+`evidence_forward` and training's `cache` subclass or fill transformers' public cache class, the
+loader and the model maker use its public classes only.
 
 Private transformers names the door relies on (test_backend pins each of them, so an upgrade
 that moves one fails naming it):
@@ -35,7 +35,7 @@ that moves one fails naming it):
 No process-wide patching: the gated delta kernels are chosen per model instance (`kernels`),
 and the write strength is recorded per call (a context variable the instance's kernel reads).
 Evidence attention is computed from the question's own queries and the cached keys in bounded
-slices (`kv_slots.attention_mass_of`), so the model keeps its fast attention and no config
+slices (`kv_ops.attention_mass_of`), so the model keeps its fast attention and no config
 switch is needed.
 """
 
@@ -53,7 +53,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from .chunks import Chunk
 from .drift import drift_of_views, drift_views
 from .kernels import recording_write_strength, select_gated_delta_kernels
-from .kv_slots import attention_mass_of, gather_slots, move_slots
+from .kv_ops import attention_mass_of, gather_slots, move_slots
 from .rope import RotaryShift
 from .signals import state_surprise, write_strength
 
@@ -131,8 +131,8 @@ class Backend:
     def prefill_rows(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                      cache: DynamicCache) -> torch.Tensor:
         """tokens (B, L) at positions (3, B, L) through the language model over `cache` (a
-        `branches.BranchCache`), the full-attention layers under the additive `mask` and with
-        the rows folded into one (`folded_attention`); returns (B, L, hidden)."""
+        `evidence_forward.BranchCache`), the full-attention layers under the additive `mask` and
+        with the rows folded into one (`folded_attention`); returns (B, L, hidden)."""
         with self.folded_attention():
             out = self.model.model.language_model(
                 input_ids=tokens, position_ids=positions,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .kv_slots_reference import gather_cache
+from .kv_ops_reference import gather_cache
 from .memory import StreamingMemory
-from .slots import SlotTable
+from .slot_table import SlotTable
 
 
 def fill_plan(kept: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

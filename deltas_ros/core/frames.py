@@ -88,7 +88,7 @@ class SampledChunk:
 
 
 @dataclass(eq=False)
-class Evidence:
+class PendingTimeline:
     """Frames of a timeline other than the clock's, gathered until they confirm it (rule 3).
 
     `held` are the decoded frames the new timeline would sample, on a grid at `fps` from the
@@ -155,7 +155,7 @@ class FrameSampler:
         self._index = 0
         self._frames: list[np.ndarray] = []
         self._stamps: list[float] = []
-        self._evidence: Evidence | None = None
+        self._evidence: PendingTimeline | None = None
 
     def observe(self, stamp: float) -> TimeEvent:
         """Count a frame and say how its stamp relates to the clock; changes nothing else."""
@@ -195,7 +195,7 @@ class FrameSampler:
         evidence = self._evidence
         if not self._continues(evidence, stamp):
             self.dismiss_evidence()  # another timeline again: start over from this frame
-            evidence = self._evidence = Evidence(arrival, stamp, grid=stamp, due=stamp)
+            evidence = self._evidence = PendingTimeline(arrival, stamp, grid=stamp, due=stamp)
         evidence.frames += 1
         evidence.last_stamp = stamp
         if frame is not None:
@@ -210,12 +210,12 @@ class FrameSampler:
             return TimeEvent.NONE, []
         return self._follow(evidence)
 
-    def _continues(self, evidence: Evidence | None, stamp: float) -> bool:
+    def _continues(self, evidence: PendingTimeline | None, stamp: float) -> bool:
         """Whether `stamp` carries `evidence` on: later than its last frame, within max_gap_s."""
         return evidence is not None and \
             evidence.last_stamp < stamp <= evidence.last_stamp + self.max_gap_s
 
-    def _follow(self, evidence: Evidence) -> tuple[TimeEvent, list[SampledChunk]]:
+    def _follow(self, evidence: PendingTimeline) -> tuple[TimeEvent, list[SampledChunk]]:
         """The evidence is confirmed: move the clock to its timeline, its frames first."""
         self._evidence = None
         self.dropped_frames += evidence.shed

@@ -81,7 +81,7 @@ def gated_delta_forward(use_fla: bool) -> types.FunctionType:
 
 
 def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The Gated DeltaNet modules of `model` (for the maker's decay init)."""
+    """The Gated DeltaNet modules of `model` (for the model_maker's decay init)."""
     return [m for m in model.modules() if isinstance(m, modeling_qwen3_5.Qwen3_5GatedDeltaNet)]
 
 

@@ -1,7 +1,8 @@
 """Loading a Qwen3.5 hybrid model from a local directory; never from a hub.
 
 The robot loads real weights with `load_model(path)`; tests, the demo and benchmarks load a tiny
-random model written by `maker.make_model` through exactly the same `from_pretrained(path)` call.
+random model written by `model_maker.make_model` through exactly the same
+`from_pretrained(path)` call.
 Only transformers' public classes are used here (the kernels are chosen in `backend`).
 """
 

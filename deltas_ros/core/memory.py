@@ -13,7 +13,7 @@ The stream lives inside one open user turn of the chat template. A question clos
 is answered greedily and rolled back: the states are restored from a fixed-size snapshot and
 the KV cache is cut to its old length; a failed chunk is rolled back the same way. This class
 only orchestrates: the model is reached through `backend`, per-slot bookkeeping is
-`slots.SlotTable`, the choice `policy`, questions `asking`, loaded states `state_check`.
+`slot_table.SlotTable`, the choice `policy`, questions `asking`, loaded states `state_check`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 import numpy as np
 import torch
 
-from .asking import Evidence, accept_question, answer_question, proxy_saliency, window_slots
+from .asking import EvidenceSearch, accept_question, answer_question, proxy_saliency, window_slots
 from .backend import Backend, StateSnapshot
 from .chunks import Chunk, ChunkBuilder
 from .config import (
@@ -43,7 +43,7 @@ from .poses import Pose
 from .prompt import THINK_END, ChatLayout
 from .results import Answer, ChunkResult, MemoryState, MemoryStats
 from .signals import layer_mean
-from .slots import PREFIX_CHUNK, SlotTable
+from .slot_table import PREFIX_CHUNK, SlotTable
 from .state_check import check_state
 
 if TYPE_CHECKING:
@@ -261,8 +261,8 @@ class StreamingMemory:
             lambda snapshot: answer_question(
                 self.backend, self.slots, ids, self.next_position, limit, self.stop_ids,
                 start + self.config.max_question_s,
-                Evidence(self.config.evidence_chunks, self.config.evidence_candidates,
-                         lambda: self.backend.restore(snapshot.states)),
+                EvidenceSearch(self.config.evidence_chunks, self.config.evidence_candidates,
+                               lambda: self.backend.restore(snapshot.states)),
                 allowed, on_token and tokens, cancelled),
             QuestionFailed, "the question", restore_after=True)
         answer, reasoning = self._texts(generated)
@@ -320,14 +320,14 @@ class StreamingMemory:
 
     # ----------------------------------------------------------------------- state and size
     def export_state(self) -> MemoryState:
-        """The stream's whole state, by reference (no copies); see persist.save_memory."""
+        """The stream's whole state, by reference (no copies); see persistence.save_memory."""
         return MemoryState(self.backend.export_tensors() | self.slots.export(),
                            self.next_position, self.chunks_seen, self.compactions,
                            dict(self.slots.stamps), dict(self.slots.poses))
 
     @torch.inference_mode()
     def import_state(self, state: MemoryState) -> None:
-        """Continue the stream `state` describes; see persist.load_memory.
+        """Continue the stream `state` describes; see persistence.load_memory.
 
         Raises ValueError, changing nothing, unless the state fits this model and budget, its
         values are finite and its counters agree (`state_check.check_state`).

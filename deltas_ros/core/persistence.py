@@ -63,7 +63,7 @@ from safetensors.torch import save_file
 from .loader import config_sha256
 from .memory import MemoryState, StreamingMemory
 from .poses import Pose
-from .slots import MAX_CHUNKS
+from .slot_table import MAX_CHUNKS
 from .state_check import check_tensor_names, expected_tensors
 
 FORMAT = "deltas_ros.memory"

@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from .branches import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
 from .chunks import ChunkBuilder
 from .config import DEFAULT_PIXEL_BUDGET, MemoryConfig, StreamConfig
-from .kv_slots import EVIDENCE_SLICE_ELEMENTS
+from .evidence_forward import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
+from .kv_ops import EVIDENCE_SLICE_ELEMENTS
 from .loader import Qwen3_5Config, parameter_count, read_config, resolve_device, resolve_dtype
 
 # Text tokens of a chunk besides its video tokens: "<123.4 seconds>" (Qwen's tokenizer splits

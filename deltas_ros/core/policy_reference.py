@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from .policy import EvictionLimits
 from .poses import Pose
-from .slots import SlotTable
+from .slot_table import SlotTable
 
 
 def select_keep_reference(times: Sequence[float], scores: Sequence[float],

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # plain data: offline runs read and write these without torch
 @dataclass
 class ChunkFigures:
     """What one chunk did to the memory, with its cost in milliseconds: the figures the engine's
-    `ChunkResult` and the stream's `ChunkRecord` both report."""
+    `ChunkResult` and the stream's `DriftRecord` both report."""
 
     drift: float
     layer_drift: list[float]
@@ -42,7 +42,7 @@ class _RecordKey:
 
 
 # A dataclass takes its bases' fields from the last base to the first: each report's key comes
-# first, then the figures, then its own fields (the order of ChunkRecord's columns).
+# first, then the figures, then its own fields (the order of DriftRecord's columns).
 @dataclass
 class ChunkResult(ChunkFigures, _ResultKey):
     """What one chunk did to the memory, with its cost in milliseconds."""
@@ -53,12 +53,12 @@ class ChunkResult(ChunkFigures, _ResultKey):
 
 
 @dataclass
-class ChunkRecord(ChunkFigures, _RecordKey):
+class DriftRecord(ChunkFigures, _RecordKey):
     """One processed chunk as the stream reports it: the fields the node publishes on ~/drift
     (DriftScore) and offline runs write, one per line."""
 
     @classmethod
-    def from_result(cls, chunk: SampledChunk, result: ChunkResult) -> ChunkRecord:
+    def from_result(cls, chunk: SampledChunk, result: ChunkResult) -> DriftRecord:
         """The record of `result`, numbered and stamped by the sampler's `chunk`."""
         figures = {f.name: getattr(result, f.name) for f in fields(ChunkFigures)}
         figures["layer_drift"] = [float(x) for x in result.layer_drift]
@@ -123,14 +123,14 @@ class MemoryStats:
 
 @dataclass
 class MemoryState:
-    """Everything a stream continues from: what persist.py writes and reads.
+    """Everything a stream continues from: what persistence.py writes and reads.
 
     tensors, by name (i: the model's layer index; T: cache slots):
         layers.{i}.recurrent_state  (B, Hv, dk, dv) float32    linear-attention layers
         layers.{i}.conv_state       (B, conv_channels, kernel)  linear-attention layers
         layers.{i}.keys, .values    (B, kv_heads, T, head_dim)  full-attention layers, keys rotated
         slots.time (T,) float64, slots.score (T,) float32, slots.chunk (T,) int64,
-        slots.position (3, T) int64   (see slots.SlotTable)
+        slots.position (3, T) int64   (see slot_table.SlotTable)
     """
 
     tensors: dict[str, torch.Tensor]

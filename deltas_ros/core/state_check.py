@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .results import MemoryState
-from .slots import MAX_CHUNKS, SlotTable
+from .slot_table import MAX_CHUNKS, SlotTable
 
 
 def expected_tensors(ours: dict[str, torch.Tensor],

@@ -10,7 +10,7 @@ from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from std_msgs.msg import Header
 
-from ..core.results import ChunkRecord
+from ..core.results import DriftRecord
 from ..msg import DriftScore
 
 
@@ -19,7 +19,7 @@ def to_time_msg(seconds: float) -> Time:
     return Time(sec=sec, nanosec=min(int(round((seconds - sec) * 1e9)), 999_999_999))
 
 
-def drift_message(record: ChunkRecord, frame_id: str) -> DriftScore:
+def drift_message(record: DriftRecord, frame_id: str) -> DriftScore:
     """One chunk's DriftScore, field for field its record; its pose (memory_io.pose_stamped)
     is set by the caller."""
     fields = asdict(record)

@@ -35,7 +35,7 @@ from rclpy.lifecycle import LifecycleNodeMixin
 from rclpy.node import Node
 
 from ..core.decode import decode_message
-from ..core.results import ChunkRecord, HeldChunk
+from ..core.results import DriftRecord, HeldChunk
 from ..msg import DriftScore
 from ..runtime import params
 from ..runtime.health import Level, loading_health
@@ -168,7 +168,7 @@ class MemoryNode(MemoryLifecycle, RefusedTransitions, LifecycleNodeMixin, Node):
     def _publish_chunk(self, chunk, result, held: list[HeldChunk]) -> None:
         """Worker thread, after the session recorded the chunk: its drift, and what the memory
         holds (`held`, oldest first) as the memory image, ~/memory_chunks and the markers."""
-        msg = drift_message(ChunkRecord.from_result(chunk, result), self.session.frame_id)
+        msg = drift_message(DriftRecord.from_result(chunk, result), self.session.frame_id)
         msg.pose = pose_stamped(result.pose, result.stamp)
         self.drift_pub.publish(msg)  # after Ctrl-C this raises; the worker counts it and goes on
         self.memory_view.chunk_done(result, chunk.frames[-1], held, msg.header.frame_id)

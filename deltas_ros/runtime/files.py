@@ -117,7 +117,7 @@ def is_memory_file(path: Path) -> bool:
 def read_metadata(path: Path) -> dict:
     """The deltas_ros JSON metadata of a memory file, from its header alone (bounded read: an
     8-byte little-endian length, then that much JSON); MemoryPathError if there is none. Not
-    verified: persist.load_memory checks the whole file."""
+    verified: persistence.load_memory checks the whole file."""
     try:
         with open(path, "rb") as file:
             prefix = file.read(8)

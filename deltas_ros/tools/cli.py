@@ -41,7 +41,7 @@ def make_model_command(args: argparse.Namespace) -> int:
     """Write a random-init Qwen3.5 (weights, tokenizer, processor) that loads like real weights."""
     import torch
 
-    from ..core.maker import config_from_file, make_model, tiny_config
+    from ..core.model_maker import config_from_file, make_model, tiny_config
 
     config = config_from_file(args.config) if args.config else tiny_config()
     dtype = getattr(torch, args.dtype)

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from ..core.config import StreamConfig
 from ..core.decode import FrameError, decode_message, message_stamp
 from ..core.frames import FrameGate, FrameSampler, TimeEvent
-from ..core.results import ChunkRecord
+from ..core.results import DriftRecord
 from .bag import image_topics, load_events, message_count, read_images
 
 if TYPE_CHECKING:  # the memory (torch, the model) is not needed to read or plot results
@@ -146,7 +146,7 @@ def _video_frames(capture: cv2.VideoCapture, fps: float) -> Iterator[Frame]:
 
 
 # ----------------------------------------------------------------------------- running
-CHUNK_FIELDS = tuple(f.name for f in fields(ChunkRecord))
+CHUNK_FIELDS = tuple(f.name for f in fields(DriftRecord))
 INT_FIELDS = {"chunk_index", "chunk_tokens", "kv_tokens", "evicted_tokens"}
 
 
@@ -167,7 +167,7 @@ class RunSummary:
     retained_chunks: list[int] = field(default_factory=list)  # memory chunk indices
     retained_times: list[float] = field(default_factory=list)  # their stream times
     retained_tokens: list[int] = field(default_factory=list)  # their slots still cached
-    records: list[ChunkRecord] = field(default_factory=list)
+    records: list[DriftRecord] = field(default_factory=list)
 
 
 def run_stream(
@@ -176,7 +176,7 @@ def run_stream(
     fps: float = StreamConfig.fps,
     frames_per_chunk: int = StreamConfig.frames_per_chunk,
     max_gap_s: float = StreamConfig.max_gap_s,
-    on_chunk: Callable[[ChunkRecord], None] | None = None,
+    on_chunk: Callable[[DriftRecord], None] | None = None,
 ) -> RunSummary:
     """Feed frames to the memory exactly as the node does, as fast as the model goes."""
     sampler = FrameSampler(fps, frames_per_chunk, max_gap_s)
@@ -194,7 +194,7 @@ def run_stream(
             reasons[outcome.error] += 1
         for chunk in outcome.chunks:
             result = memory.add_sampled(chunk)
-            record = ChunkRecord.from_result(chunk, result)
+            record = DriftRecord.from_result(chunk, result)
             summary.records.append(record)
             if on_chunk is not None:
                 on_chunk(record)
@@ -255,7 +255,7 @@ def run_file(
     ) as frames:
         writer.meta(meta)
 
-        def on_chunk(record: ChunkRecord) -> None:
+        def on_chunk(record: DriftRecord) -> None:
             writer.chunk(record)
             frames.set_postfix(chunk=record.chunk_index, drift=f"{record.drift:.4f}",
                                kv=record.kv_tokens)
@@ -290,7 +290,7 @@ class ResultsWriter:
         else:
             self._line({"type": "meta"} | meta)
 
-    def chunk(self, record: ChunkRecord) -> None:
+    def chunk(self, record: DriftRecord) -> None:
         if self._rows is not None:
             row = asdict(record)
             row["layer_drift"] = ";".join(repr(x) for x in record.layer_drift)

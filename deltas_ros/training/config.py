@@ -89,8 +89,8 @@ class TrainConfig:
     pixel_budget: int = 8192
     forms: dict[str, float] = field(default_factory=lambda: {
         "colour": 3, "shape": 2, "seen": 3, "appeared": 1, "when": 1, "count": 1})
-    text: dict[str, Any] = field(default_factory=dict)  # overrides of maker.TINY_TEXT
-    vision: dict[str, Any] = field(default_factory=dict)  # overrides of maker.TINY_VISION
+    text: dict[str, Any] = field(default_factory=dict)  # overrides of model_maker.TINY_TEXT
+    vision: dict[str, Any] = field(default_factory=dict)  # overrides of model_maker.TINY_VISION
     stages: list[Stage] = field(default_factory=lambda: [Stage(10**9)])
     vision_pretrain: VisionPretrain = field(default_factory=VisionPretrain)
     # A model directory (`export_model`'s) whose weights the run starts from instead of a fresh

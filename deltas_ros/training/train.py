@@ -46,7 +46,7 @@ from tqdm import tqdm
 from ..core.chunks import ChunkBuilder
 from ..core.kernels import select_gated_delta_kernels
 from ..core.loader import MODEL_INFO_FILE, load_model
-from ..core.maker import (
+from ..core.model_maker import (
     TINY_VISION_START_ID,
     init_model,
     make_processor,
@@ -134,8 +134,8 @@ def scene_tokenizer(extended: bool = False):
 
 
 def new_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
-    """maker.tiny_config's layout (Gated DeltaNet + full attention 3:1) at the config's sizes,
-    with room for the scene tokenizer's added words; with `cfg.init`, that model's weights
+    """model_maker.tiny_config's layout (Gated DeltaNet + full attention 3:1) at the config's
+    sizes, with room for the scene tokenizer's added words; with `cfg.init`, that model's weights
     (`load_init`)."""
     model = init_model(tiny_config(cfg.text, cfg.vision, len(tokenizer)), cfg.seed)
     if cfg.init:

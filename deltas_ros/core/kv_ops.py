@@ -20,7 +20,7 @@ def attention_mass_of(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
     queries (1, heads, L, d) of the cache's last L entries; keys (1, kv_heads, S, d), S >= L.
     As eager attention computes it (logits in the model's dtype, softmax in float32, weights
     back in the model's dtype), but L is walked in slices of at most `slice_elements` logits,
-    so a long question needs bounded memory. `kv_slots_reference.attention_mass_reference`
+    so a long question needs bounded memory. `kv_ops_reference.attention_mass_reference`
     is the one-shot version.
     """
     heads, length, total = queries.shape[1], queries.shape[2], keys.shape[2]

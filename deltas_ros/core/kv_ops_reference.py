@@ -1,4 +1,4 @@
-"""Cached K/V work the slow, obvious way: what `kv_slots.attention_mass_of` and
+"""Cached K/V work the slow, obvious way: what `kv_ops.attention_mass_of` and
 `Backend.move` are tested against (test_backend, test_eviction), as fla keeps naive.py beside
 its kernels: all logits at once, every kept slot gathered, one index per moved slot."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 
 from .backend import Backend
-from .kv_slots import fill_slots, gather_slots
+from .kv_ops import fill_slots, gather_slots
 
 
 def attention_mass_reference(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
                              groups: int, slots: int) -> torch.Tensor:
-    """`kv_slots.attention_mass_of` in one piece (all L x S logits at once)."""
+    """`kv_ops.attention_mass_of` in one piece (all L x S logits at once)."""
     length, total = queries.shape[2], keys.shape[2]
     keys = keys.repeat_interleave(groups, dim=1)
     logits = torch.matmul(queries, keys.transpose(2, 3)) * scaling
