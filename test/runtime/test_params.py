@@ -10,7 +10,7 @@ from deltas_ros.core.config import MemoryConfig
 from deltas_ros.core.loader import SHIPPED_MODEL, resolve_pixel_budget
 from deltas_ros.runtime import params, params_doc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GOOD = {"model_path": "/models/qwen"}
 
 

@@ -23,7 +23,7 @@ from deltas_ros.runtime import params
 from deltas_ros.runtime.session import Session
 from deltas_ros.tools import cli
 
-MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "config" / "models"
 MIB = 2**20
 # Hand-computed from the published dimensions (docs/robot.md): layers (linear, full),
 # tied embeddings, parameters, KV bytes per token in bf16 (full layers x K,V x KV heads x

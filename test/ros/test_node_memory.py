@@ -40,7 +40,7 @@ from deltas_ros.core.poses import Pose
 from deltas_ros.ros.action import ACTION_SLOTS
 from deltas_ros.runtime.image import GAP, LABEL_H, THUMB_H, THUMB_W
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 POSE_LEAD = 3.5 / 30  # poses are published this far ahead of the frames (and between them)
 
 

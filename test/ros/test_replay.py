@@ -22,7 +22,7 @@ from deltas_ros.ros.replay import replay_bag
 from deltas_ros.tools.bag import open_images
 from deltas_ros.training.synth import write_synth_bag
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOPIC = "/camera/image_raw"
 DURATION, FPS = 3.0, 10.0
 FRAMES = int(DURATION * FPS)

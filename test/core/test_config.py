@@ -13,7 +13,7 @@ import yaml
 
 from deltas_ros.core.config import MemoryConfig, StreamConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "deltas_ros"
 
 # The defaults the engine, the node, the tools and training share, and the other names they go

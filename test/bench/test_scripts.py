@@ -154,7 +154,7 @@ def test_the_default_real_size_config_has_the_0_8b_dimensions():
 def test_gpu_script_smoke_mode_runs_every_step_on_the_cpu(tmp_path):
     """bench/gpu.sh SMOKE=1: the GPU script's own steps and arguments, tiny and on the CPU."""
     env = os.environ | {"SMOKE": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
-    run = subprocess.run(["bash", "bench/gpu.sh"], cwd=Path(__file__).resolve().parents[1],
+    run = subprocess.run(["bash", "bench/gpu.sh"], cwd=Path(__file__).resolve().parents[2],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for name in ("engine_overhead", "node_path", "bounded_memory"):

@@ -19,7 +19,7 @@ from deltas_ros.ros.dashboard_http import DashboardHttp
 from deltas_ros.ros.dashboard_state import DashboardState
 from deltas_ros.runtime.image import GAP, LABEL_H, THUMB_H, THUMB_W, MemoryImage
 
-MAP_JS = Path(__file__).resolve().parents[1] / "deltas_ros" / "ros" / "dashboard_map.js"
+MAP_JS = Path(__file__).resolve().parents[2] / "deltas_ros" / "ros" / "dashboard_map.js"
 STAMP0 = 1_700_000_000.0
 TIP = "return document.getElementById('maptip').textContent"
 WAIT_S = 60  # every wait's bound: generous on a loaded machine, never forever

@@ -197,7 +197,7 @@ def test_the_rviz_config_shows_the_markers_and_the_image_of_the_default_node():
     the markers use, fixed frame map."""
     import yaml
 
-    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" /
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "config" /
                              "memory.rviz").read_text())
     manager = config["Visualization Manager"]
     displays = {d["Class"]: d for d in manager["Displays"]}

@@ -145,7 +145,7 @@ def test_busy_config_continues_a_model_and_resumes(tmp_path):
     for a third equal three straight."""
     from deltas_ros.core.loader import SHIPPED_MODEL
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     short = [replace(s, seconds=(2, 3)) for s in
              TrainConfig.from_file(root / "config/train_busy.yaml").stages]
     assert TrainConfig.from_file(root / "config/train_busy.yaml").init == "out/train/model"
@@ -225,7 +225,7 @@ def test_hour_config_continues_the_shipped_model_and_resumes(tmp_path):
     through every stage (streams shortened) resumed for its last step equals one straight."""
     from deltas_ros.training.scenes import HOUR
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     cfg = TrainConfig.from_file(root / "config/train_hour.yaml", batch=2, questions=2,
                                 validation_streams=2, validation_seconds=3, log_every=1)
     assert cfg.extended and cfg.init == "deltas_ros/models/scenes-tiny"

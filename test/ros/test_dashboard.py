@@ -3,8 +3,8 @@ then in a real headless chromium, then as launch/deltas.launch.py starts it besi
 namespace.
 
 `ros2 launch` itself is not installable here (launch and launch_ros are not on PyPI), so the
-launch file's dashboard command is read from its source (as test_params.py reads its arguments),
-formed for a namespace the way launch joins a substitution list, and run as it is."""
+launch file's dashboard command is read from its source (as runtime/test_params.py reads its
+arguments), formed for a namespace the way launch joins a substitution list, and run as it is."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from deltas_ros.ros.dashboard_http import DashboardHttp
 from deltas_ros.ros.dashboard_limits import Limits
 from deltas_ros.ros.dashboard_state import DashboardState
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fake_ask(question, on_feedback, left) -> dict:

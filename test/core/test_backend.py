@@ -21,7 +21,7 @@ from deltas_ros.core import kernels, kv_ops, kv_ops_reference, rope
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODULE_NAMES = ["Qwen3_5GatedDeltaNet", "Qwen3_5Attention", "Qwen3_5TextRotaryEmbedding",
                 "apply_rotary_pos_emb", "rotate_half", *kernels.KERNEL_NAMES]
 

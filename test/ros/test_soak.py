@@ -2,7 +2,7 @@
 save + load in the middle. Nothing is lost that is not counted, and the memory stays flat.
 
 CI streams 120 simulated seconds at 4x. For a longer soak, e.g. an hour:
-    DELTAS_SOAK_S=3600 DELTAS_SOAK_SPEED=8 scripts/test.sh test/test_soak.py
+    DELTAS_SOAK_S=3600 DELTAS_SOAK_SPEED=8 scripts/test.sh test/ros/test_soak.py
 """
 
 from __future__ import annotations
