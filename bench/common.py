@@ -144,8 +144,8 @@ def bench_model(args: argparse.Namespace) -> LoadedModel:
 
     The random model (--config FILE, or the tiny test config) is built in memory on the device
     with exactly the steps of `make_model` (seed, fp32 construction, cast, decay init), so a 9B
-    model needs neither 19 GB of disk nor a reload; test_bench.py checks that the tiny one equals
-    `load_model(make_model(...))` weight for weight.
+    model needs neither 19 GB of disk nor a reload; test/bench/test_scripts.py checks that the
+    tiny one equals `load_model(make_model(...))` weight for weight.
     """
     if args.model:
         return load_model(args.model, args.device, args.dtype)

@@ -11,7 +11,7 @@ choose where the node (with its user's rights) writes. The rules (docs/reliabili
 - `memory_key_file` (optional) holds the key of the files' keyed checksum; it must be a regular
   file owned by the node's user and readable by nobody else, or the node refuses to start.
 
-No rclpy and no torch here: the rules are tested on their own (test_memory_files.py).
+No rclpy and no torch here: the rules are tested on their own (test/runtime/test_files.py).
 """
 
 from __future__ import annotations
