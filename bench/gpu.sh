@@ -6,8 +6,9 @@
 #
 #     OUT=/some/dir bench/gpu.sh
 #
-# SMOKE=1: the same steps on the CPU with the tiny config and a few chunks (seconds; test_bench
-# runs it so this script cannot rot). $PYTHON, if set, is the interpreter to use.
+# SMOKE=1: the same steps on the CPU with the tiny config and a few chunks (seconds;
+# test/bench/test_scripts runs it so this script cannot rot). $PYTHON, if set, is the
+# interpreter to use.
 #
 # Python: this checkout's .venv, else python3, if either imports the requirements with CUDA;
 # otherwise a fresh venv ($VENV, default /tmp/deltas-bench-venv) gets the pinned packages the two

@@ -5,7 +5,7 @@ Why: the per-operation timings of engine_overhead do not show what a long run do
 device's memory (allocator growth, per-chunk leftovers, a question's transient) nor the cost of
 the whole path the node's worker runs (StreamingMemory.add_chunk and ask, as the worker calls
 them). bench/gpu.sh runs it at Qwen3.5-9B dimensions in bf16 with the fla kernels; its CPU smoke
-mode (SMOKE=1) runs it on the tiny model so the script cannot rot (test_bench).
+mode (SMOKE=1) runs it on the tiny model so the script cannot rot (test/bench/test_scripts).
 
 How: --chunks chunks of a synthetic stream (synth_stream, 2 fps, 2 frames a chunk) through one
 StreamingMemory; every --ask-every chunks a question (--max-new-tokens). Per chunk the engine's

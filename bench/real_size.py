@@ -10,9 +10,10 @@ copy of the K/V without the chunk: `asking_reference.leave_one_out`) and the pat
 (the candidates as rows of batched forwards over the cache as it is: `leave_one_out_batched`).
 
 How, per --dtypes (one model in memory at a time): the model is built in memory by
-`common.bench_model`, the steps of `deltas-ros make-model --config` (test_bench checks it
-equals make_model + load_model); --chunks chunks of a synthetic stream (synth_stream, 2 fps, two
-frames a chunk) through one StreamingMemory; per chunk the engine's own timings (ChunkResult);
+`common.bench_model`, the steps of `deltas-ros make-model --config`
+(test/bench/test_scripts checks it equals make_model + load_model); --chunks chunks of a
+synthetic stream (synth_stream, 2 fps, two frames a chunk) through one StreamingMemory; per chunk
+the engine's own timings (ChunkResult);
 the process RSS every --sample-every chunks, growth from the first eviction to the end. Then
 --questions rounds, each: `ask` without evidence (evidence_candidates 0) and with it (the
 batched search, as the node asks); and the two searches alone on the same question, answer

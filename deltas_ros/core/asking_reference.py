@@ -1,6 +1,6 @@
 """The evidence search the slow, obvious way: what `asking.leave_one_out_batched` is tested
-against (test_evidence) and timed beside (bench.real_size), as fla keeps naive.py beside its
-kernels: one forward per candidate, each over a gathered copy of the K/V without it."""
+against (test_evidence_forward) and timed beside (bench.real_size), as fla keeps naive.py beside
+its kernels: one forward per candidate, each over a gathered copy of the K/V without it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def leave_one_out(backend: Backend, slots: SlotTable, ids: list[int], answer: li
     backend is restored after each.
 
     `asking.leave_one_out_batched`, which questions use, one candidate at a time over a
-    gathered copy (test_evidence compares them, bench.real_size times both)."""
+    gathered copy (test_evidence_forward compares them, bench.real_size times both)."""
     seen = torch.ones_like(slots.chunk, dtype=torch.bool) if allowed is None else allowed
 
     def log_prob(hidden_chunk: int | None) -> float:

@@ -1,5 +1,5 @@
 """The eviction the slow, obvious way: what `StreamingMemory.evict_to_budget` and
-`SlotTable.keep_slots` are tested against (test_eviction, test_compaction), as fla keeps
+`SlotTable.keep_slots` are tested against (test_memory_eviction, test_rope), as fla keeps
 naive.py beside its kernels: every kept slot gathered in arrival order, or moved one index per
 slot."""
 

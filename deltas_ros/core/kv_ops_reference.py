@@ -1,6 +1,6 @@
 """Cached K/V work the slow, obvious way: what `kv_ops.attention_mass_of` and
-`Backend.move` are tested against (test_backend, test_eviction), as fla keeps naive.py beside
-its kernels: all logits at once, every kept slot gathered, one index per moved slot."""
+`Backend.move` are tested against (test_backend, test_memory_eviction), as fla keeps naive.py
+beside its kernels: all logits at once, every kept slot gathered, one index per moved slot."""
 
 from __future__ import annotations
 

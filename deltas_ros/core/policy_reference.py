@@ -1,6 +1,6 @@
 """Algorithm 1's selection the slow, obvious way: loops over slots, buckets as lists. What
-`policy.select_keep` and `SlotTable.held_chunks` are tested against (test_policy, test_eviction),
-as fla keeps naive.py beside its kernels."""
+`policy.select_keep` and `SlotTable.held_chunks` are tested against (test_policy,
+test_memory_eviction), as fla keeps naive.py beside its kernels."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ def lifecycle_state(node: Node) -> str:
     """The managed node's current lifecycle state label ("unconfigured", "configuring",
     "inactive", "active", "finalized", ...), as rclpy's state machine holds it: rclpy has no
     public getter, and ~/get_state is a service the node would have to call on itself
-    (test_node_lifecycle pins this name). The label is the state being entered while its
+    (test_lifecycle pins this name). The label is the state being entered while its
     transition callback runs ("configuring" during on_configure, "activating" ...) and the
     goal state once the callback has returned.
 
@@ -28,7 +28,7 @@ class RefusedTransitions:
     after a manager's) fails with ERROR and a log line. Kilted's rclpy does that itself;
     Jazzy's (7.x) raises RCLError instead, out of the ChangeState service callback, which took
     the node's executor down. Overrides the mixin's private __change_state by its mangled name
-    (test_node_lifecycle pins it)."""
+    (test_lifecycle pins it)."""
 
     def _LifecycleNodeMixin__change_state(self, transition_id: int) -> TransitionCallbackReturn:
         try:
