@@ -13,7 +13,9 @@ import torch
 from .backend import Backend
 from .config import MemoryConfig, question_problem
 from .evidence_forward import EVIDENCE_BATCH_BYTES, answer_log_probs, evidence_rows
+from .recall import choose_recall, recall_scores
 from .slot_table import SlotTable
+from .tiers import TierIndex
 
 
 def accept_question(question: str, max_new_tokens: int | None, config: MemoryConfig,
@@ -152,6 +154,28 @@ def proxy_saliency(backend: Backend, ids: torch.Tensor, positions: torch.Tensor,
         backend.prefill_text(ids, positions)
     heads = backend.model.config.text_config.num_attention_heads
     return mass / (len(backend.full) * heads * ids.shape[1])
+
+
+def recall_chunks(backend: Backend, index: TierIndex, ids: list[int], position: int,
+                  visible: torch.Tensor | None, since: float | None, until: float | None,
+                  budget: int) -> list[int]:
+    """The tiered chunks a question calls back (oldest first): its queries at every
+    full-attention layer, from a prefill of `ids` over the GPU tier's `visible` slots (undone),
+    score each tiered chunk of the window [since, until]; the best are taken up to `budget`
+    tokens (recall.choose_recall)."""
+    inside = torch.ones(len(index.chunks), dtype=torch.bool)
+    if since is not None:
+        inside &= index.times >= since
+    if until is not None:
+        inside &= index.times <= until
+    if budget <= 0 or not inside.any():
+        return []
+    with backend.undone(), backend.visible_slots(visible), backend.question_queries() as q:
+        backend.prefill_text(torch.tensor([ids]), text_positions(position, len(ids)))
+    picked = inside.nonzero().squeeze(1)
+    scores = recall_scores(torch.stack(q), index.summaries[picked])
+    return [index.chunks[int(picked[i])]
+            for i in choose_recall(scores, index.tokens[picked], budget)]
 
 
 def by_drop(candidates: list[int], drops: dict[int, float]) -> list[int]:

@@ -316,6 +316,36 @@ class Backend:
             for layer, (keys, values) in zip(layers, originals):
                 layer.keys, layer.values = keys, values
 
+    def gather_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of cache slots `slots` (n,) at every full-attention layer, as
+        cached, on the host: (L, kv_heads, n, head_dim) each (what the second tier keeps)."""
+        index = self.device_index(slots)
+        layers = [self.cache.layers[i] for i in self.full]
+        return (torch.stack([layer.keys[0].index_select(1, index) for layer in layers]).cpu(),
+                torch.stack([layer.values[0].index_select(1, index) for layer in layers]).cpu())
+
+    @contextmanager
+    def appended_slots(self, keys: torch.Tensor | None, values: torch.Tensor | None
+                       ) -> Iterator[None]:
+        """While active, the full-attention layers hold recalled slots (L, kv_heads, n,
+        head_dim) after the cached ones: keys carry their rotary positions, so they are read
+        where they were cached. The untouched originals are put back on exit. None: no
+        change."""
+        if keys is None:
+            yield
+            return
+        layers = [self.cache.layers[i] for i in self.full]
+        originals = [(layer.keys, layer.values) for layer in layers]
+        keys, values = (t.to(self.device, self.dtype) for t in (keys, values))
+        try:
+            for layer, (k, v), new_k, new_v in zip(layers, originals, keys, values):
+                layer.keys = torch.cat([k, new_k.unsqueeze(0)], 2)
+                layer.values = torch.cat([v, new_v.unsqueeze(0)], 2)
+            yield
+        finally:
+            for layer, (k, v) in zip(layers, originals):
+                layer.keys, layer.values = k, v
+
     # ----------------------------------------------------------------------------- export
     def export_tensors(self) -> dict[str, torch.Tensor]:
         """The cache's tensors by name, by reference (see memory.MemoryState)."""
@@ -364,18 +394,35 @@ class Backend:
         over heads and query tokens), computed in bounded slices (`attention_mass_of`)."""
         mass = torch.zeros(slots)
 
-        def hook(module, args, kwargs, _output) -> None:
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            queries = _rotated_queries(module, hidden, kwargs["position_embeddings"])
+        def add(module: torch.nn.Module, queries: torch.Tensor) -> None:
             keys = self.cache.layers[module.layer_idx].keys
             mass.add_(attention_mass_of(queries, keys, module.scaling,
                                         module.num_key_value_groups, slots).cpu())
+
+        with self._on_queries(add):
+            yield mass
+
+    @contextmanager
+    def question_queries(self) -> Iterator[list[torch.Tensor]]:
+        """While active, each full-attention layer's forward appends its rotated queries
+        (heads, L, head_dim) to the yielded list, in layer order (what recall scores by)."""
+        queries: list[torch.Tensor] = []
+        with self._on_queries(lambda _module, q: queries.append(q[0].float().cpu())):
+            yield queries
+
+    @contextmanager
+    def _on_queries(self, use: Callable[[torch.nn.Module, torch.Tensor], None]
+                    ) -> Iterator[None]:
+        """Call use(module, queries (1, heads, L, head_dim)) after each full-attention forward."""
+        def hook(module, args, kwargs, _output) -> None:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            use(module, _rotated_queries(module, hidden, kwargs["position_embeddings"]))
 
         hooks = [module.register_forward_hook(hook, with_kwargs=True)
                  for module in self.model.modules()
                  if isinstance(module, modeling_qwen3_5.Qwen3_5Attention)]
         try:
-            yield mass
+            yield
         finally:
             for handle in hooks:
                 handle.remove()

@@ -2,8 +2,8 @@
 memory holds and how it chooses (MemoryConfig); the question rules and the memory's errors.
 
 The node's parameter table, the command line, offline runs, training, the policies' signatures
-and config/deltas.yaml take their defaults from here (test_defaults.py changes one and watches it
-spread). Plain Python, no torch: the frame gate and the command line read it cheaply.
+and config/deltas.yaml take their defaults from here (test/core/test_config.py changes one and
+watches it spread). Plain Python, no torch: the frame gate and the command line read it cheaply.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ class MemoryConfig:
     answers; positions are compacted when a chunk would reach into them.
     max_question_tokens, max_answer_tokens: a question longer than this many tokens, or asking
     for a longer answer, is refused before anything changes (bounded work per request).
+    host_budget_mb, disk_budget_mb, tier_dir: the second tier (core/tiers.py): the slots an
+    eviction lets go wait in host memory up to host_budget_mb, then in files under tier_dir up
+    to disk_budget_mb (0 and 0: no second tier, evicted is gone).
+    recall_tokens: a question calls back at most this many tokens of tiered chunks, those its
+    queries score highest (0: no recall; the answer is as without a second tier).
     """
 
     budget_tokens: int = 8192
@@ -86,6 +91,10 @@ class MemoryConfig:
     max_answer_tokens: int = 4096
     max_question_s: float = 60.0
     thinking: bool = False
+    host_budget_mb: float = 0.0
+    disk_budget_mb: float = 0.0
+    tier_dir: str = ""
+    recall_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.budget_tokens < self.sink_tokens + self.window_tokens:
@@ -106,6 +115,11 @@ class MemoryConfig:
             raise ValueError("evidence_chunks must be >= 1 and evidence_candidates >= 0")
         if not (math.isfinite(self.max_question_s) and self.max_question_s > 0):
             raise ValueError(f"max_question_s must be > 0, got {self.max_question_s}")
+        budgets = (self.host_budget_mb, self.disk_budget_mb)
+        if not all(math.isfinite(b) and b >= 0 for b in budgets) or self.recall_tokens < 0:
+            raise ValueError("host_budget_mb, disk_budget_mb and recall_tokens must be >= 0")
+        if self.disk_budget_mb and not self.tier_dir:
+            raise ValueError("disk_budget_mb needs tier_dir, the directory of the disk tier")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of "
                              f"{', '.join(POLICY_NAMES)}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
@@ -28,7 +29,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 import numpy as np
 import torch
 
-from .asking import EvidenceSearch, accept_question, answer_question, proxy_saliency, window_slots
+from .asking import (
+    EvidenceSearch,
+    accept_question,
+    answer_question,
+    proxy_saliency,
+    recall_chunks,
+    window_slots,
+)
 from .backend import Backend, StateSnapshot
 from .chunks import Chunk, ChunkBuilder
 from .config import (
@@ -45,12 +53,17 @@ from .results import Answer, ChunkResult, MemoryState, MemoryStats
 from .signals import layer_mean
 from .slot_table import PREFIX_CHUNK, SlotTable
 from .state_check import check_state
+from .tiers import DISK, TierPiece, TierStore, evicted_pieces
 
 if TYPE_CHECKING:
     from .frames import SampledChunk
 
 __all__ = ["Answer", "ChunkFailed", "ChunkResult", "MemoryConfig", "MemoryState", "MemoryStats",
            "PREFIX_CHUNK", "QuestionFailed", "StreamingMemory", "question_problem"]
+
+
+# How long a question waits for the second tier's writer to place what evictions queued.
+TIER_FLUSH_S = 1.0
 
 
 class _Snapshot(NamedTuple):
@@ -82,6 +95,10 @@ class StreamingMemory:
         # Where a reasoning block ends (None: the answer is all that is generated).
         self._think_end = self.tokenizer.convert_tokens_to_ids(THINK_END) \
             if self.layout.opens_reasoning else None
+        # The second tier (None: evicted is gone); its writer thread ends with the memory.
+        self.tiers = TierStore.for_config(self.config)
+        if self.tiers is not None:
+            weakref.finalize(self, self.tiers.close)
         self.reset()
 
     # ----------------------------------------------------------------------------- streaming
@@ -90,6 +107,8 @@ class StreamingMemory:
         """Forget everything and open a new stream with the chat prefix (the attention sinks)."""
         self.backend.reset()
         self.policy.reset()
+        if self.tiers is not None:
+            self.tiers.clear()
         self.chunks_seen = self.compactions = 0
         ids, positions = self.builder.text(self.layout.prefix, 0)
         self.backend.prefill_text(ids, positions)
@@ -181,10 +200,22 @@ class StreamingMemory:
         total = self.kv_tokens
         if (kept := self.slots_to_keep()) is None:
             return 0
+        if self.tiers is not None:
+            self._to_tiers(kept)
         slots, moves = self.slots.keep_slots(kept)
         self.backend.move(moves, len(slots))
         self.slots = slots
         return total - len(slots)
+
+    def _to_tiers(self, kept: torch.Tensor) -> None:
+        """Queue the held chunks' slots an eviction lets go (all but `kept`) for the second
+        tier, as cached (the writer moves them off this thread)."""
+        gone = self.slots.chunk >= 0
+        gone[kept] = False
+        if gone.any():
+            slots = gone.nonzero().squeeze(1)
+            for piece in evicted_pieces(self.slots, slots, *self.backend.gather_kv(slots)):
+                self.tiers.put(piece)
 
     def slots_to_keep(self) -> torch.Tensor | None:
         """The slots an eviction now keeps (policy.select_keep over the slots read in arrival
@@ -248,28 +279,66 @@ class StreamingMemory:
         start = time.perf_counter()
         ids = self.layout.question_ids(self.tokenizer, question) if question.strip() else []
         limit = accept_question(question, max_new_tokens, self.config, ids)
-        allowed = (None if since is None and until is None
-                   else window_slots(self.slots, since, until))
+        allowed = self._window(since, until)
         self._make_room(len(ids) + limit, margin=0)
         kv_before = self.kv_tokens
+        recalled, from_disk = self._recall(ids, allowed, since, until)
+        slots = self.slots
+        for piece in recalled:  # the question's view: recalled slots after the cached ones
+            slots = slots.append(piece.time_s, piece.chunk, piece.score, piece.position,
+                                 piece.stamp, piece.pose)
+        if allowed is not None:
+            allowed = torch.cat([allowed, torch.ones(len(slots) - len(allowed), dtype=bool)])
 
         def tokens(generated: list[int]) -> None:
             answer, reasoning = self._texts(generated)
             on_token(answer, len(generated), reasoning)
 
-        generated, evidence, stop = self._rolled_back_on_failure(
-            lambda snapshot: answer_question(
-                self.backend, self.slots, ids, self.next_position, limit, self.stop_ids,
-                start + self.config.max_question_s,
-                EvidenceSearch(self.config.evidence_chunks, self.config.evidence_candidates,
-                               lambda: self.backend.restore(snapshot.states)),
-                allowed, on_token and tokens, cancelled),
-            QuestionFailed, "the question", restore_after=True)
+        keys, values = ((torch.cat([getattr(p, name) for p in recalled], 2) if recalled
+                         else None) for name in ("keys", "values"))
+        with self.backend.appended_slots(keys, values):
+            generated, evidence, stop = self._rolled_back_on_failure(
+                lambda snapshot: answer_question(
+                    self.backend, slots, ids, self.next_position, limit, self.stop_ids,
+                    start + self.config.max_question_s,
+                    EvidenceSearch(self.config.evidence_chunks, self.config.evidence_candidates,
+                                   lambda: self.backend.restore(snapshot.states)),
+                    allowed, on_token and tokens, cancelled),
+                QuestionFailed, "the question", restore_after=True)
         answer, reasoning = self._texts(generated)
-        return self.slots.answer(
+        return slots.answer(
             answer, evidence, memory_tokens=kv_before,
             latency_ms=(time.perf_counter() - start) * 1e3, generated_tokens=len(generated),
-            truncated=stop == "deadline", cancelled=stop == "cancelled", reasoning=reasoning)
+            truncated=stop == "deadline", cancelled=stop == "cancelled", reasoning=reasoning,
+            recalled_chunks=len(recalled), recalled_from_disk=from_disk)
+
+    def _window(self, since: float | None, until: float | None) -> torch.Tensor | None:
+        """The slots a question over [since, until] may see (asking.window_slots); when the
+        GPU tier holds none of the window but the second tier does, only the chat prefix."""
+        if since is None and until is None:
+            return None
+        try:
+            return window_slots(self.slots, since, until)
+        except ValueError:
+            times = [] if self.tiers is None else self.tiers.index().times.tolist()
+            if not any((since is None or t >= since) and (until is None or t <= until)
+                       for t in times):
+                raise
+            return self.slots.chunk < 0
+
+    def _recall(self, ids: list[int], allowed: torch.Tensor | None, since: float | None,
+                until: float | None) -> tuple[list[TierPiece], int]:
+        """The tiered chunks this question calls back, oldest first (asking.recall_chunks),
+        and how many of them came from disk."""
+        if self.tiers is None or not self.config.recall_tokens:
+            return [], 0
+        self.tiers.flush(TIER_FLUSH_S)
+        index = self.tiers.index()
+        visible = None if allowed is None else allowed.nonzero().squeeze(1)
+        chunks = recall_chunks(self.backend, index, ids, self.next_position, visible, since,
+                               until, self.config.recall_tokens)
+        tier = dict(zip(index.chunks, index.tiers))
+        return self.tiers.load(chunks), sum(tier[c] == DISK for c in chunks)
 
     def _texts(self, generated: list[int]) -> tuple[str, str]:
         """(answer, reasoning) of the generated ids: with a reasoning block open, what comes

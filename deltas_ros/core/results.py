@@ -74,6 +74,8 @@ class Answer:
     reasoning: what the model wrote in its reasoning block before `text` (MemoryConfig.thinking;
     "" without one). A block still open when generation stopped leaves `text` empty.
     evidence_poses: the robot pose at each evidence chunk's stamp (None where unknown).
+    recalled_chunks, recalled_from_disk: chunks the question called back from the second tier
+    (MemoryConfig.recall_tokens), and how many of them were read from disk.
     """
 
     text: str
@@ -88,6 +90,8 @@ class Answer:
     cancelled: bool = False
     evidence_poses: list[Pose | None] = field(default_factory=list)
     reasoning: str = ""
+    recalled_chunks: int = 0
+    recalled_from_disk: int = 0
 
 
 class HeldChunk(NamedTuple):

@@ -27,10 +27,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .config import MemoryConfig
 from .poses import Pose
 from .recall import key_summary, merged_summary
+from .slot_table import SlotTable
 
 HOST, DISK = "host", "disk"
+MB = 1 << 20
 PENDING_PIECES = 64  # pieces waiting for the writer at most (the oldest is dropped beyond it)
 OLDEST_PART = 0.25  # share of the disk tier (oldest by time) the drop rule chooses within
 
@@ -129,6 +132,14 @@ class TierStore:
         self.stats = TierStats()
         self._thread = threading.Thread(target=self._write_loop, name="tier-writer", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_config(cls, config: MemoryConfig) -> TierStore | None:
+        """The store a memory's config asks for; None without a second tier."""
+        if not (config.host_budget_mb or config.disk_budget_mb):
+            return None
+        return cls(int(config.host_budget_mb * MB), int(config.disk_budget_mb * MB),
+                   Path(config.tier_dir) if config.tier_dir else None)
 
     # ------------------------------------------------------------------------ the chunk's side
     def put(self, piece: TierPiece) -> None:
@@ -273,6 +284,21 @@ class TierStore:
         else:
             self.stats.disk_chunks += sign
             self.stats.disk_bytes += sign * entry.nbytes
+
+
+def evicted_pieces(table: SlotTable, slots: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor) -> list[TierPiece]:
+    """The pieces of the held chunks among `slots` (n,) of `table`, one per chunk: keys and
+    values (L, H_kv, n, D) are those slots' (Backend.gather_kv), in the same order."""
+    chunks = table.chunk[slots]
+    pieces = []
+    for chunk in chunks.unique().tolist():
+        rows = (chunks == chunk).nonzero().squeeze(1)
+        at = slots[rows]
+        pieces.append(TierPiece(chunk, table.chunk_time(chunk), keys[:, :, rows],
+                                values[:, :, rows], table.position[:, at], table.score[at],
+                                table.stamp(chunk), table.pose(chunk)))
+    return pieces
 
 
 def _write(directory: Path, piece: TierPiece) -> Path:

@@ -32,7 +32,8 @@ from ..core.config import ASK_TIMEOUT_S, DEFAULT_NODE, DTYPES, MemoryConfig, Str
 
 # `run`'s options that set the MemoryConfig field of the same name (their dest).
 RUN_CONFIG = ("budget_tokens", "sink_tokens", "window_tokens", "buckets", "policy",
-              "max_new_tokens", "thinking")
+              "max_new_tokens", "thinking", "host_budget_mb", "disk_budget_mb", "tier_dir",
+              "recall_tokens")
 # `synth`'s options that set write_synth_bag's argument of the same name (their dest).
 SYNTH_OPTIONS = ("duration_s", "fps", "width", "height", "encoding", "storage", "topic", "seed")
 
@@ -54,11 +55,12 @@ def make_model_command(args: argparse.Namespace) -> int:
 
 def synth_command(args: argparse.Namespace) -> int:
     """Write a generated camera stream with known events as a rosbag2 (plus events.json)."""
-    from ..training.scenes import BUSY, SceneOptions
+    from ..training.scenes import SceneOptions, busy_options
     from ..training.synth import write_synth_bag
     from .bag import load_events
 
-    scenes = BUSY if args.busy else SceneOptions() if args.scenes else None
+    scenes = (busy_options(args.duration_s) if args.busy else SceneOptions() if args.scenes
+              else None)
     out = write_synth_bag(args.out_bag, scenes=scenes,
                           **{name: getattr(args, name) for name in SYNTH_OPTIONS})
     print(f"wrote {out}")
@@ -116,8 +118,10 @@ def run_command(args: argparse.Namespace) -> int:
     for item in asked:
         evidence = ", ".join(f"{t:.2f} s" for t in item.evidence_times) or "none"
         reasoning = f"   reasoning: {item.reasoning}\n" if item.reasoning else ""
+        recalled = (f", {item.recalled_chunks} chunks recalled ({item.recalled_from_disk} "
+                    f"from disk)" if item.recalled_chunks else "")
         print(f"Q: {item.question}\n{reasoning}A: {item.text}\n   evidence at {evidence} "
-              f"({item.latency_ms:.0f} ms)")
+              f"({item.latency_ms:.0f} ms{recalled})")
     print(f"wrote {args.out}")
     return 0
 
@@ -274,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--topic", default="/camera/image_raw")
     for flag, text in (("--scenes", "a scene stream: shapes the shipped model answers about"),
                        ("--busy", "a busy scene stream: up to 12 objects sharing shapes and "
-                                  "colours")):
+                                  "colours; over 10 minutes, the hour world (5-minute parts, "
+                                  "60 identities)")):
         synth.add_argument(flag, action="store_true", help=text)
     synth.set_defaults(run=synth_command)
 
@@ -327,6 +332,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="longest answer in tokens (default: %(default)s)")
     run.add_argument("--thinking", action="store_true",
                      help="let the model reason first (the reasoning is printed apart)")
+    tiers = run.add_argument_group("the second tier: what the budget lets go, kept for recall")
+    tiers.add_argument("--host-budget-mb", type=float, default=MemoryConfig.host_budget_mb,
+                       help="host memory for evicted chunks (default: %(default)s, none)")
+    tiers.add_argument("--disk-budget-mb", type=float, default=MemoryConfig.disk_budget_mb,
+                       help="disk for evicted chunks, under --tier-dir (default: %(default)s)")
+    tiers.add_argument("--tier-dir", default=MemoryConfig.tier_dir,
+                       help="directory of the disk tier")
+    tiers.add_argument("--recall-tokens", type=int, default=MemoryConfig.recall_tokens,
+                       help="tokens of tiered chunks a question may call back (default: "
+                            "%(default)s, none)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(run=run_command)
 

@@ -226,6 +226,8 @@ class AskedQuestion:
     memory_tokens: int
     latency_ms: float
     reasoning: str = ""
+    recalled_chunks: int = 0
+    recalled_from_disk: int = 0
 
 
 def run_file(
@@ -246,7 +248,9 @@ def run_file(
         "dtype": str(memory.loaded.dtype).removeprefix("torch."), "policy": cfg.policy,
         "budget_tokens": cfg.budget_tokens, "sink_tokens": cfg.sink_tokens,
         "window_tokens": cfg.window_tokens, "buckets": cfg.buckets, "seed": cfg.seed,
-        "pixel_budget": cfg.pixel_budget, "fps": fps, "frames_per_chunk": frames_per_chunk,
+        "pixel_budget": cfg.pixel_budget, "host_budget_mb": cfg.host_budget_mb,
+        "disk_budget_mb": cfg.disk_budget_mb, "recall_tokens": cfg.recall_tokens, "fps": fps,
+        "frames_per_chunk": frames_per_chunk,
         "max_gap_s": max_gap_s, "source": source.describe(), "events": source.events,
     }
     with ResultsWriter(out) as writer, tqdm(
@@ -266,7 +270,8 @@ def run_file(
             answer = memory.ask(question, max_new_tokens)
             asked.append(AskedQuestion(question, answer.text, answer.evidence_times,
                                        answer.evidence_stamps, answer.memory_tokens,
-                                       answer.latency_ms, answer.reasoning))
+                                       answer.latency_ms, answer.reasoning,
+                                       answer.recalled_chunks, answer.recalled_from_disk))
         totals = {k: v for k, v in asdict(summary).items() if k != "records"}
         writer.summary(totals | {"answers": [asdict(a) for a in asked]})
     return summary, asked

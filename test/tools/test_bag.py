@@ -166,3 +166,16 @@ def test_synth_command_prints_path_and_events(tmp_path, capsys):
     assert events and all(event["label"] in printed for event in events)
     assert main(argv) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_synth_busy_over_ten_minutes_writes_the_hour_world(tmp_path, capsys):
+    """`deltas-ros synth --busy --duration 3600`: an hour of 5-minute parts at the busy world's
+    density (8 objects every 2 minutes) over more identities than the busy world's 24."""
+    out = tmp_path / "hour"
+    assert main(["synth", str(out), "--busy", "--duration", "3600", "--fps", "0.5", "--width",
+                 "64", "--height", "48", "--encoding", "jpeg"]) == 0
+    objects = [e for e in load_events(out) if e["kind"] == "object"]
+    assert len(objects) == 240
+    identities = {(e["colour"], e["shape"]) for e in objects}
+    assert len(identities) > 24
+    assert any(e["time"] > 3300 for e in objects) and any(e["time"] < 300 for e in objects)
