@@ -38,11 +38,16 @@ def default_memory_dir() -> Path:
     return Path(os.environ.get("ROS_HOME", Path.home() / ".ros")).expanduser() / "deltas_ros"
 
 
+def memory_directory(memory_dir: str | Path) -> Path:
+    """The directory the memory_dir parameter names (empty: the default one), not created."""
+    return Path(memory_dir).expanduser() if memory_dir else default_memory_dir()
+
+
 class MemoryFiles:
     """Resolves requested file names inside `directory` (created at start if missing, 0700)."""
 
     def __init__(self, directory: str | Path, default_file: str = "") -> None:
-        self.directory = Path(directory).expanduser() if directory else default_memory_dir()
+        self.directory = memory_directory(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.root = self.directory.resolve(strict=True)
         if not self.root.is_dir():

@@ -10,13 +10,16 @@ reason a user can act on. No rclpy here, so the rules are tested without a ROS g
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from ..core.config import ASK_TIMEOUT_S, DTYPES, POLICY_NAMES, MemoryConfig, StreamConfig
+from .files import memory_directory
 
 DEVICES = ("auto", "cpu", "cuda")
 MIN_PIXEL_BUDGET = 32 * 32
 POSE_TYPES = ("odometry", "pose_stamped", "pose_with_covariance")
+TIER_SUBDIR = "tiers"  # the disk tier's folder inside memory_dir
 KINDS = {bool: "true or false", int: "an integer", float: "a decimal number (2.0, not 2)",
          str: "a string"}
 
@@ -101,6 +104,22 @@ PARAMS: tuple[Param, ...] = (
           low=0.1, high=3600.0),
     Param("ask_timeout_s", ASK_TIMEOUT_S, "How long a question may wait for the worker",
           read_only=False, low=0.1, high=3600.0),
+    Param("host_budget_mb", MemoryConfig.host_budget_mb,
+          "Host memory (MB) for the second tier: chunks budget_tokens evicts wait there for a "
+          "question to call them back (recall_tokens), so a long patrol keeps more than the "
+          "GPU budget; on a Jetson it shares the GPU's memory (see deltas-ros plan). 0: no host "
+          "tier; the default stays off until the second tier's accuracy is measured",
+          low=0.0, high=1_000_000.0),
+    Param("disk_budget_mb", MemoryConfig.disk_budget_mb,
+          "Disk (MB) for the second tier past host_budget_mb, as files in <memory_dir>/tiers: "
+          "hours of evicted chunks kept at disk speed, the oldest lowest-scored dropped beyond "
+          "it. 0: no disk tier; the default stays off until the second tier's accuracy is "
+          "measured", low=0.0, high=10_000_000.0),
+    Param("recall_tokens", MemoryConfig.recall_tokens,
+          "Tokens a question calls back from the second tier, of the tiered chunks its queries "
+          "score highest; they add to the question's GPU peak (deltas-ros plan). 0: no recall; "
+          "the default stays off until the second tier's accuracy is measured",
+          low=0, high=1_000_000),
     Param("memory_dir", "",
           "The only directory memory files are read from and written to "
           "(empty: $ROS_HOME/deltas_ros; created at start)"),
@@ -191,7 +210,14 @@ def memory_config(values: dict[str, Any]) -> MemoryConfig:
 
     pixel_budget = resolve_pixel_budget(values["pixel_budget"], values["model_path"])
     return MemoryConfig.from_mapping({name: values[name] for name in ENGINE_PARAMS}
-                                     | {"pixel_budget": pixel_budget})
+                                     | {"pixel_budget": pixel_budget,
+                                        "tier_dir": str(tier_dir(values["memory_dir"]))})
+
+
+def tier_dir(memory_dir: str) -> Path:
+    """The disk tier's directory: inside the one directory the node writes memory files to
+    (runtime/files.py), so a disk budget needs no path of its own."""
+    return memory_directory(memory_dir) / TIER_SUBDIR
 
 
 class Parameters:

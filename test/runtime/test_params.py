@@ -9,6 +9,7 @@ import yaml
 from deltas_ros.core.config import MemoryConfig
 from deltas_ros.core.loader import SHIPPED_MODEL, resolve_pixel_budget
 from deltas_ros.runtime import params, params_doc
+from deltas_ros.runtime.files import default_memory_dir
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = {"model_path": "/models/qwen"}
@@ -65,6 +66,22 @@ def test_engine_limits_reach_the_memory_config():
     assert config.max_question_s == 7.5
 
 
+def test_the_second_tier_reaches_the_memory_config_with_its_files_in_memory_dir(tmp_path):
+    """Off by default; a disk budget needs no path: its files go under memory_dir (or the
+    default memory directory when memory_dir is empty)."""
+    assert (params.memory_config(params.defaults() | GOOD).host_budget_mb,
+            params.memory_config(params.defaults() | GOOD).recall_tokens) == (0.0, 0)
+    tiers = {"host_budget_mb": 64.0, "disk_budget_mb": 512.0, "recall_tokens": 256}
+    config = params.memory_config(params.defaults() | GOOD | tiers
+                                  | {"memory_dir": str(tmp_path)})
+    assert (config.host_budget_mb, config.disk_budget_mb, config.recall_tokens) == (64.0, 512.0,
+                                                                                   256)
+    assert config.tier_dir == str(tmp_path / "tiers")
+    assert params.validate(GOOD | tiers) is None
+    assert params.memory_config(params.defaults() | GOOD | tiers).tier_dir == \
+        str(default_memory_dir() / "tiers")
+
+
 def test_empty_model_path_is_the_shipped_model_at_its_pixel_budget():
     assert params.validate({}) is None
     values = params.resolved(params.defaults())
@@ -84,6 +101,9 @@ def test_empty_model_path_is_the_shipped_model_at_its_pixel_budget():
     ({"budget_tokens": 1000}, "budget_tokens (1000) must be at least"),
     ({"queue_chunks": 0}, "queue_chunks: must be within"),
     ({"image_topic": ""}, "image_topic"),
+    ({"host_budget_mb": -1.0}, "host_budget_mb: must be within"),
+    ({"disk_budget_mb": 1}, "disk_budget_mb: must be a decimal number"),
+    ({"recall_tokens": -5}, "recall_tokens: must be within"),
 ])
 def test_bad_values_are_refused_with_a_reason(change, reason):
     problem = params.validate(GOOD | change)
