@@ -40,7 +40,7 @@ class Running:
     """A session with a worker over a fresh tiny memory, recording each chunk's report."""
 
     def __init__(self, tiny_model, directory: Path, key: bytes | None = None, **values) -> None:
-        self.memory = StreamingMemory(tiny_model, params.memory_config(VALUES))
+        self.memory = StreamingMemory(tiny_model, params.memory_config(VALUES | values))
         self.session = Session(VALUES | values, MemoryFiles(directory), key=key)
         self.reports: list[tuple[int, float, float]] = []  # (index, stream time, drift)
         self.session.attach(self.memory, self._on_chunk)
@@ -349,6 +349,30 @@ def test_health_warns_on_what_happened_since_the_last_report(running, tmp_path):
     session.counters.last_frame_wall = time.monotonic() - 5
     level, message, _ = session.health()
     assert level is Level.WARN and message.startswith("no camera frames for")
+
+
+def test_health_reports_the_second_tier_only_when_one_is_configured(running, tmp_path):
+    """tier_* values: what each tier holds and what it dropped, with a second tier only; the
+    disk tier's files are in memory_dir/tiers."""
+    plain = running()
+    plain.push(BASE, 1)
+    plain.settle(1)
+    assert not [name for name in plain.session.health()[2] if name.startswith("tier_")]
+    run = running(host_budget_mb=0.002, disk_budget_mb=1.0, recall_tokens=64,
+                  memory_dir=str(tmp_path / "memory"))
+    run.push(BASE, 8)
+    run.settle(8)
+    assert run.memory.tiers.flush(10.0)
+    values = run.session.health()[2]
+    stats = run.memory.tiers.current_stats()
+    assert values["tier_disk_chunks"] >= 1 and values["tier_disk_bytes"] > 0
+    assert {name: value for name, value in values.items() if name.startswith("tier_")} == {
+        "tier_host_chunks": stats.host_chunks, "tier_host_bytes": stats.host_bytes,
+        "tier_disk_chunks": stats.disk_chunks, "tier_disk_bytes": stats.disk_bytes,
+        "tier_dropped_pieces": 0, "tier_dropped_chunks": 0}
+    assert len(list((tmp_path / "memory" / "tiers").glob("chunk-*.safetensors"))) == \
+        stats.disk_chunks
+    assert values["kv_tokens"] <= VALUES["budget_tokens"]
 
 
 def test_latency_is_the_median_of_the_last_chunks(running):
