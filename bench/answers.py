@@ -52,14 +52,14 @@ from deltas_ros.training.questions import (
     objects_of,
 )
 from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
-from deltas_ros.training.scenes import SceneStream
+from deltas_ros.training.scenes import SceneOptions, SceneStream
 
 from .common import add_answers_args, finish, md_table, memory_config, run_answers
 from .retention import PIXEL_DIFF, engine_policy, stream_into
 
 FULL, STATE = "full", "state"
 # The scene options of config/train_tiny.yaml's last stage.
-EVAL_STAGE = Stage(0, objects=(1, 3), cuts=(0, 1), distractors=(0, 2))
+EVAL_STAGE = Stage(0, scenes=SceneOptions(objects=(1, 3), cuts=(0, 1), distractors=(0, 2)))
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -118,7 +118,7 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
             for seed in range(args.first_seed, args.first_seed + args.streams):
                 if seed >= VALIDATION_SEEDS:
                     raise ValueError("evaluation seeds must stay below the validation seeds")
-                scene = SceneStream(seconds, args.width, args.height, seed, EVAL_STAGE.options())
+                scene = SceneStream(seconds, args.width, args.height, seed, EVAL_STAGE.scenes)
                 chunks = sampled_chunks(scene)
                 events = scene.events()
                 asked = stream_questions(events, seed)
@@ -147,7 +147,7 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
 def chunk_cost(loaded: LoadedModel, pixel_budget: int, chunks: int = 20) -> float:
     """Median ms per chunk (add_chunk) of 640x480 scene frames at this pixel budget."""
     memory = StreamingMemory(loaded, MemoryConfig(pixel_budget=pixel_budget))
-    scene = SceneStream(chunks, 640, 480, 0, EVAL_STAGE.options())
+    scene = SceneStream(chunks, 640, 480, 0, EVAL_STAGE.scenes)
     times = []
     for frames, stamps in sampled_chunks(scene):
         start = time.perf_counter()

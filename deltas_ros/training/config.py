@@ -3,12 +3,17 @@ and the vision phase, read from YAML (config/train_tiny.yaml, config/train_busy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from .questions import FORMS
 from .scenes import SceneOptions
+
+# A stage's streams where it sets none of the scene options: one or two objects, no cuts and no
+# distractors.
+STAGE_SCENES = SceneOptions(objects=(1, 2), cuts=(0, 0), distractors=(0, 0))
+SCENE_KEYS = frozenset(f.name for f in fields(SceneOptions))
 
 
 @dataclass
@@ -16,40 +21,35 @@ class Stage:
     """One curriculum stage (the last one runs to the end of training).
 
     until_step: the step at which the next stage starts at the latest
-    advance_at: running accuracy on the target forms that ends the stage early (> 1: never)
-    min_steps:  steps in the stage before advance_at is looked at
-    forms:      question form weights of this stage (default: the config's)
-    shared, reappear: the busy world's scene options (scenes.SceneOptions)
-    extended, part_s: the hour world's (scenes.SceneOptions: its 60 identities, its parts)
+    seconds:    (min, max) length of its streams
+    scenes:     what its streams show (scenes.SceneOptions); a config file sets these keys
+                (objects, cuts, shared, extended, part_s, ...) flat in the stage
     batch, questions: streams a step and questions a stream (0: the config's; batch at most
                 the config's, whose stride the stream seeds keep)
+    forms:      question form weights of this stage (default: the config's)
     mix:        share of this stage's steps drawn as stage `mix_stage` draws them (short
                 streams kept beside long ones)
+    advance_at: running accuracy on the target forms that ends the stage early (> 1: never)
+    min_steps:  steps in the stage before advance_at is looked at
     """
 
     until_step: int
     seconds: tuple[int, int] = (4, 8)
-    objects: tuple[int, int] = (1, 2)
-    cuts: tuple[int, int] = (0, 0)
-    distractors: tuple[int, int] = (0, 0)
-    overlap: bool = False
-    advance_at: float = 2.0
-    min_steps: int = 100
-    forms: dict[str, float] | None = None
-    shared: bool = False
-    reappear: float = 0.0
-    extended: bool = False
-    part_s: float = 0.0
+    scenes: SceneOptions = STAGE_SCENES
     batch: int = 0
     questions: int = 0
+    forms: dict[str, float] | None = None
     mix: float = 0.0
     mix_stage: int = 0
+    advance_at: float = 2.0
+    min_steps: int = 100
 
-    def options(self) -> SceneOptions:
-        return SceneOptions(objects=tuple(self.objects), cuts=tuple(self.cuts),
-                            distractors=tuple(self.distractors), overlap=self.overlap,
-                            shared=self.shared, reappear=self.reappear,
-                            extended=self.extended, part_s=self.part_s)
+    @classmethod
+    def from_mapping(cls, raw: dict[str, Any]) -> Stage:
+        """A stage from a config file's keys, its scene options among them (lists: tuples)."""
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+        scenes = {k: values.pop(k) for k in list(values) if k in SCENE_KEYS}
+        return cls(**values, scenes=replace(STAGE_SCENES, **scenes))
 
 
 @dataclass
@@ -102,7 +102,7 @@ class TrainConfig:
     def extended(self) -> bool:
         """Whether a stage draws the hour world's identities: then the tokenizer has their
         words (train.scene_tokenizer) and the vision phase their classes."""
-        return any(stage.extended for stage in self.stages)
+        return any(stage.scenes.extended for stage in self.stages)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
@@ -113,9 +113,7 @@ class TrainConfig:
         unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-        raw["stages"] = [Stage(**{k: tuple(v) if isinstance(v, list) else v
-                                  for k, v in s.items()}) for s in raw.get("stages", [])] \
-            or [Stage(10**9)]
+        raw["stages"] = [Stage.from_mapping(s) for s in raw.get("stages", [])] or [Stage(10**9)]
         for index, stage in enumerate(raw["stages"]):
             if set(stage.forms or {}) - set(FORMS):
                 raise ValueError(f"{path}: unknown question forms in {stage}")

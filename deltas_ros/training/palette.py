@@ -10,14 +10,9 @@ import numpy as np
 
 # Saturated colours that stand out from the muted backgrounds, by name for the event labels.
 COLOURS = {
-    "red": (230, 30, 30),
-    "green": (30, 210, 50),
-    "blue": (40, 70, 240),
-    "yellow": (245, 225, 30),
-    "magenta": (230, 40, 220),
-    "cyan": (30, 225, 235),
-    "white": (250, 250, 250),
-    "orange": (250, 140, 20),
+    "red": (230, 30, 30), "green": (30, 210, 50), "blue": (40, 70, 240),
+    "yellow": (245, 225, 30), "magenta": (230, 40, 220), "cyan": (30, 225, 235),
+    "white": (250, 250, 250), "orange": (250, 140, 20),
 }
 SHAPES = ("circle", "square", "triangle")
 # The hour world's further identities (scenes.HOUR): an hour at the busy world's density shows
@@ -34,13 +29,8 @@ MORE_SHAPES = ("diamond", "cross")
 ALL_COLOURS = {**COLOURS, **MORE_COLOURS}
 ALL_SHAPES = (*SHAPES, *MORE_SHAPES)
 # Background tints, by name for the labels of cuts.
-TINTS = {
-    "grey": (1.0, 1.0, 1.0),
-    "warm": (1.15, 0.95, 0.75),
-    "cool": (0.75, 0.95, 1.15),
-    "green": (0.8, 1.15, 0.8),
-    "purple": (1.05, 0.8, 1.1),
-}
+TINTS = {"grey": (1.0, 1.0, 1.0), "warm": (1.15, 0.95, 0.75), "cool": (0.75, 0.95, 1.15),
+         "green": (0.8, 1.15, 0.8), "purple": (1.05, 0.8, 1.1)}
 
 
 def identities(extended: bool = False) -> tuple[dict[str, tuple[int, int, int]], tuple[str, ...]]:

@@ -158,7 +158,7 @@ def vision_sample(builder: ChunkBuilder, cfg: TrainConfig, seed: int,
     it shows: (pixel values, grid_thw, shape index, colour index) into the stage's shapes and
     colours (palette.identities), or their counts for no object (chosen with probability
     vision_pretrain.empty). One object, in one part: the busy and hour worlds' draws aside."""
-    options = replace(cfg.stages[-1].options(), objects=(1, 1), part_s=0.0)
+    options = replace(cfg.stages[-1].scenes, objects=(1, 1), part_s=0.0)
     colours, shapes = identities(options.extended)
     scene = SceneStream(4, cfg.width, cfg.height, seed, options)
     chunks = chunk_frames(scene)  # only the chosen chunk is rendered

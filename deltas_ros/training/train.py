@@ -279,7 +279,7 @@ class Trainer:
         seconds = int(rng.integers(stage.seconds[0], stage.seconds[1] + 1))
         base = TRAIN_SEEDS + (cfg.seed * 10**7 + self.step) * cfg.batch
         seeds = list(range(base, base + (stage.batch or cfg.batch)))
-        batch = make_batch(self.builder, self.layout, cfg, seeds, seconds, stage.options(),
+        batch = make_batch(self.builder, self.layout, cfg, seeds, seconds, stage.scenes,
                            stage.questions or cfg.questions, stage.forms)
         self.model.train()
         loss, hits = loss_and_hits(forward(self.model, batch, self.device), batch)
@@ -298,7 +298,7 @@ class Trainer:
         cfg = self.cfg
         self.model.eval()
         right: dict[str, list[bool]] = {f: [] for f in FORMS}
-        options = cfg.stages[-1].options()
+        options = cfg.stages[-1].scenes
         for first in range(0, cfg.validation_streams, cfg.batch):
             seeds = [VALIDATION_SEEDS + s for s in
                      range(first, min(first + cfg.batch, cfg.validation_streams))]

@@ -31,7 +31,7 @@ from deltas_ros.training.vocabulary import check_extends
 TINY = dict(batch=2, questions=3, warmup=1, validation_streams=2, validation_seconds=4,
             log_every=1, width=64, height=48, pixel_budget=4096, max_minutes=600,
             checkpoint_minutes=600, validate_minutes=600, decay_fraction=0.0,
-            stages=[Stage(10**9, seconds=(2, 4), objects=(1, 2))],
+            stages=[Stage(10**9, seconds=(2, 4))],
             vision_pretrain=VisionPretrain(steps=2, batch=2))
 
 
@@ -53,7 +53,7 @@ def test_sample_is_what_the_memory_feeds(scene_model):
     tokenizer = scene_model.tokenizer
     builder = ChunkBuilder.for_model(scene_model.model, tokenizer, cfg.pixel_budget)
     layout = ChatLayout.from_tokenizer(tokenizer)
-    options = cfg.stages[0].options()
+    options = cfg.stages[0].scenes
     batch = make_batch(builder, layout, cfg, [3, 4], 4, options, cfg.questions)
     with torch.no_grad():
         logits = forward(scene_model.model, batch, torch.device("cpu"))
@@ -90,7 +90,7 @@ def test_vision_samples_are_labelled_with_what_their_chunk_shows(scene_model):
     for seed in range(VISION_SEEDS, VISION_SEEDS + 24):
         pixels, grid, shape, colour = vision_sample(builder, cfg, seed)
         assert pixels.shape[0] == int(grid.prod()) and grid[0, 0] == 1  # one chunk
-        scene = SceneStream(4, cfg.width, cfg.height, seed, replace(cfg.stages[-1].options(),
+        scene = SceneStream(4, cfg.width, cfg.height, seed, replace(cfg.stages[-1].scenes,
                                                                     objects=(1, 1)))
         shown = scene.labels[0]
         labels.append((shape, colour))
@@ -152,7 +152,7 @@ def test_busy_config_continues_a_model_and_resumes(tmp_path):
     cfg = TrainConfig.from_file(root / "config/train_busy.yaml", batch=2, questions=2,
                                 validation_streams=2, validation_seconds=3,
                                 init=str(SHIPPED_MODEL))
-    assert all(s.options().busy for s in short) and cfg.vision_pretrain.steps == 0
+    assert all(s.scenes.busy for s in short) and cfg.vision_pretrain.steps == 0
     cfg = replace(cfg, stages=short)
     shipped = load_model(SHIPPED_MODEL, "cpu").model.state_dict()
     for name, weights in Trainer(cfg, tmp_path / "init").model.state_dict().items():
@@ -194,7 +194,9 @@ def test_the_hour_worlds_words_extend_the_shipped_model(tmp_path):
     assert len(tokenizer.encode("Did you see a teal cross?", add_special_tokens=False)) == 7
     cfg = TrainConfig(**TINY | {"vision": {"hidden_size": 64, "intermediate_size": 128},
                                 "init": str(SHIPPED_MODEL),
-                                "stages": [Stage(10**9, seconds=(2, 4), extended=True)]})
+                                "stages": [Stage.from_mapping({"until_step": 10**9,
+                                                               "seconds": (2, 4),
+                                                               "extended": True})]})
     assert cfg.extended
     model = new_model(cfg, tokenizer)
     before = shipped.model.state_dict()
@@ -230,7 +232,7 @@ def test_hour_config_continues_the_shipped_model_and_resumes(tmp_path):
                                 validation_streams=2, validation_seconds=3, log_every=1)
     assert cfg.extended and cfg.init == "deltas_ros/models/scenes-tiny"
     last = cfg.stages[-1]
-    assert replace(last.options(), objects=HOUR.objects) == HOUR and last.mix == 0.5
+    assert replace(last.scenes, objects=HOUR.objects) == HOUR and last.mix == 0.5
     stages = [replace(s, seconds=(2, 3), until_step=k + 1, batch=min(s.batch, 2),
                       questions=min(s.questions, 2)) for k, s in enumerate(cfg.stages)]
     cfg = replace(cfg, stages=stages, vision_pretrain=VisionPretrain(steps=1, batch=2),
