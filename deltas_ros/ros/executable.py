@@ -19,6 +19,7 @@ import sys
 import rclpy
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 
+from ..core.config import NODE_NAME
 from ..runtime.resources import limit_malloc_arenas
 from .node import EXECUTOR_THREADS, SHUTDOWN_S, MemoryNode
 
@@ -47,7 +48,7 @@ def main(args: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as error:  # RCLError is a RuntimeError
         if not rclpy.ok():  # a signal while constructing: the context is gone, not an error
             return _close(executor, 0)
-        rclpy.logging.get_logger("deltas_memory").fatal(f"cannot start: {error}")
+        rclpy.logging.get_logger(NODE_NAME).fatal(f"cannot start: {error}")
         return _close(executor, 1)
     try:
         executor.add_node(node)

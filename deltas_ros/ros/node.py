@@ -34,6 +34,7 @@ from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleNodeMixin
 from rclpy.node import Node
 
+from ..core.config import NODE_NAME
 from ..core.decode import decode_message
 from ..core.results import DriftRecord, HeldChunk
 from ..msg import DriftScore
@@ -78,7 +79,7 @@ class MemoryNode(MemoryLifecycle, RefusedTransitions, LifecycleNodeMixin, Node):
         # Started (with autostart) before the executor can run a callback: see `autostarting`.
         self.loader = threading.Thread(target=self._autostart, name="deltas_memory_autostart",
                                        daemon=True)
-        Node.__init__(self, "deltas_memory", **kwargs)
+        Node.__init__(self, NODE_NAME, **kwargs)
         LifecycleNodeMixin.__init__(self, callback_group=MutuallyExclusiveCallbackGroup())
         # The one copy of the parameters: the session reads this object too.
         self.params = params.Parameters(params.resolved(declare_parameters(self)))
