@@ -20,7 +20,14 @@ spends bytes changes one function:
   snapshot a chunk or a question rolls back to): two more copies, allocated once;
 - the largest of three transient peaks, each above the resident terms: a chunk's forward
   (`chunk_forward_bytes`), a question and its answer (`question_bytes`), and the evidence search
-  after the answer (`evidence_search_bytes`).
+  after the answer (`evidence_search_bytes`);
+- with the second tier's recall (`recall_tokens`), a question's full-attention layers see M +
+  recall_tokens slots: the question and the evidence search are planned over that view, and
+  the view itself (`recall_bytes`: every layer's cache joined with the recalled K/V while the
+  cached originals are kept, and the recalled K/V moved to the device) adds to both.
+
+The host tier's own memory (`host_budget_mb`) is not in the plan: the plan reads the device's
+free memory only, and treats no memory as shared between host and GPU (as a Jetson's is).
 
 The plan leaves out what the process holds before the model (interpreter, libraries: measured
 about 0.75 GB on CPU with torch imported) and the CUDA context: they are already in use when
@@ -63,6 +70,12 @@ class PlanInputs:
     question_tokens: int = QUESTION_TOKENS
     answer_tokens: int = MemoryConfig.max_new_tokens
     evidence_candidates: int = MemoryConfig.evidence_candidates
+    recall_tokens: int = 0
+
+    @property
+    def view_tokens(self) -> int:
+        """Slots a question's full-attention layers see: M and the recalled ones."""
+        return self.budget_tokens + self.recall_tokens
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,8 @@ class Plan:
     chunk_forward_bytes: int
     question_bytes: int
     evidence_bytes: int
+    recall_tokens: int
+    recall_bytes: int
     resident_bytes: int
     peak_bytes: int
     tokens_per_chunk: int
@@ -154,6 +169,9 @@ class Plan:
             ("question (peak)", self.question_bytes, "question and answer"),
             ("evidence search (peak)", self.evidence_bytes, "batched rows, no K/V copy"),
         ]
+        if self.recall_tokens:
+            rows.append(("recall view (in both)", self.recall_bytes,
+                         f"M + {self.recall_tokens} recalled tokens, in the two above"))
         lines = [f"{name:<26}{mib(size):>12}  {note}" for name, size, note in rows]
         verdict = "fits" if self.fits else "does NOT fit"
         lines += [f"{'peak':<26}{mib(self.peak_bytes):>12}  resident "
@@ -264,11 +282,21 @@ def chunk_forward_bytes(shape: Shape, inputs: PlanInputs, tokens: int, patches: 
                   vision_bytes(shape, patches, dtype_bytes)))
 
 
+def recall_bytes(shape: Shape, inputs: PlanInputs, dtype_bytes: int) -> int:
+    """The question's view with recalled slots (0 without recall): each full-attention layer's
+    K/V joined with the recalled ones into new tensors of M + recall_tokens while the cached
+    originals stay, and the recalled K/V moved to the device (backend.appended_slots)."""
+    if not inputs.recall_tokens:
+        return 0
+    return (inputs.view_tokens + inputs.recall_tokens) * kv_bytes_per_token(shape, dtype_bytes)
+
+
 def question_bytes(shape: Shape, inputs: PlanInputs, dtype_bytes: int) -> int:
-    """Above the resident terms while a question is prefilled and answered: the question and
-    answer's K/V, its attention, and the evidence's attention mass of the question's queries
-    on every slot (float32 logits, softmax and weights, in slices of EVIDENCE_SLICE_ELEMENTS)."""
-    m, new = inputs.budget_tokens, inputs.question_tokens + inputs.answer_tokens
+    """Above the resident terms while a question is prefilled and answered over its view (M
+    and any recalled slots): the question and answer's K/V, its attention, and the evidence's
+    attention mass of the question's queries on every slot (float32 logits, softmax and
+    weights, in slices of EVIDENCE_SLICE_ELEMENTS)."""
+    m, new = inputs.view_tokens, inputs.question_tokens + inputs.answer_tokens
     logits = min(EVIDENCE_SLICE_ELEMENTS, shape.heads * inputs.question_tokens * (m + new))
     return (growing_cache_bytes(shape, m, new, dtype_bytes)
             + attention_bytes(shape, m, inputs.question_tokens, dtype_bytes)
@@ -280,14 +308,14 @@ def evidence_search_bytes(config: Qwen3_5Config, inputs: PlanInputs, dtype: torc
     """Above the resident terms while the evidence search runs (0 without candidates).
 
     The candidates are rows of batched teacher-forced forwards of the question and the answer
-    over the cache as it is, each row hiding one chunk by the attention mask (one more row hides
-    none): no K/V copy per candidate. As many rows go into one forward as
-    `evidence_batch_bytes` keeps within EVIDENCE_BATCH_BYTES (at least one), and that
-    forward's estimate is the peak.
+    over the question's view (M and any recalled slots) as it is, each row hiding one chunk by
+    the attention mask (one more row hides none): no K/V copy per candidate. As many rows go
+    into one forward as `evidence_batch_bytes` keeps within EVIDENCE_BATCH_BYTES (at least
+    one), and that forward's estimate is the peak.
     """
     if not inputs.evidence_candidates:
         return 0
-    text, m = config.text_config, inputs.budget_tokens
+    text, m = config.text_config, inputs.view_tokens
     new = inputs.question_tokens + inputs.answer_tokens
     rows = evidence_rows(EVIDENCE_BATCH_BYTES, text, m, new, inputs.answer_tokens, dtype,
                          inputs.evidence_candidates + 1)
@@ -318,8 +346,9 @@ def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
     weights = shape.parameters * size
     resident = weights + inputs.budget_tokens * per_token + 3 * (states + conv)
     chunk = chunk_forward_bytes(shape, inputs, tokens, patches, size)
-    question = question_bytes(shape, inputs, size)
-    evidence = evidence_search_bytes(config, inputs, dtype)
+    view = recall_bytes(shape, inputs, size)
+    question = question_bytes(shape, inputs, size) + view
+    evidence = evidence_search_bytes(config, inputs, dtype) + view
     peak = resident + max(chunk, question, evidence)
     free = available_bytes(device) if available is None else available
     seconds_per_chunk = inputs.frames_per_chunk / inputs.fps
@@ -329,7 +358,8 @@ def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
         parameters=shape.parameters, weights_bytes=weights, kv_bytes_per_token=per_token,
         kv_bytes=inputs.budget_tokens * per_token, state_bytes=states, conv_state_bytes=conv,
         snapshot_bytes=2 * (states + conv), chunk_forward_bytes=chunk, question_bytes=question,
-        evidence_bytes=evidence, resident_bytes=resident, peak_bytes=peak,
+        evidence_bytes=evidence, recall_tokens=inputs.recall_tokens, recall_bytes=view,
+        resident_bytes=resident, peak_bytes=peak,
         tokens_per_chunk=tokens, video_tokens_per_chunk=video,
         stream_seconds=inputs.budget_tokens / tokens * seconds_per_chunk,
         available_bytes=free, fits=peak <= free,
@@ -353,7 +383,10 @@ def require_fit(path: str | Path, config: MemoryConfig, device: str, dtype: str,
     inputs = PlanInputs(budget_tokens=config.budget_tokens, pixel_budget=config.pixel_budget,
                         fps=fps, frames_per_chunk=frames_per_chunk,
                         answer_tokens=config.max_new_tokens,
-                        evidence_candidates=config.evidence_candidates)
+                        evidence_candidates=config.evidence_candidates,
+                        # a question recalls only from a second tier
+                        recall_tokens=(config.recall_tokens if config.host_budget_mb
+                                       or config.disk_budget_mb else 0))
     plan = plan_for_path(path, inputs, torch_device, resolve_dtype(dtype, torch_device))
     if not plan.fits:
         raise RuntimeError(

@@ -155,7 +155,8 @@ def plan_command(args: argparse.Namespace) -> int:
             inputs = PlanInputs(
                 budget_tokens=budget, pixel_budget=pixel_budget, frame=(height, width),
                 fps=args.fps, frames_per_chunk=args.frames_per_chunk,
-                answer_tokens=args.max_new_tokens, evidence_candidates=args.evidence_candidates)
+                answer_tokens=args.max_new_tokens, evidence_candidates=args.evidence_candidates,
+                recall_tokens=args.recall_tokens)
             plans.append((Path(source).stem, plan_for_path(
                 source, inputs, device, resolve_dtype(args.dtype, device), available)))
     if args.json:
@@ -370,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                       default=MemoryConfig.evidence_candidates,
                       help="chunks left out once each to find an answer's evidence (0: none; "
                            "default: %(default)s)")
+    plan.add_argument("--recall-tokens", type=int, default=MemoryConfig.recall_tokens,
+                      help="tokens a question calls back from the second tier, which join its "
+                           "view of the memory (0: none; default: %(default)s)")
     add_device_options(plan)
     plan.add_argument("--available-gib", type=float,
                       help="plan for a device with this much free memory instead of this one")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,59 @@ def test_frame_sizes_are_width_by_height():
         cli.parse_frame("640")
     assert make_plan(tiny_config(), PlanInputs(frame=(480, 640)), torch.device("cpu"),
                      torch.float32, available=0).video_tokens_per_chunk == 88
+
+
+def test_recall_plans_the_question_over_its_view_and_counts_the_view_the_engine_builds(
+        tiny_model, monkeypatch):
+    """With recall_tokens, the question and the evidence search are planned over M + recall
+    slots, plus `recall_bytes`: each layer's cache joined with the recalled K/V (the originals
+    kept) and the recalled K/V on the device, as backend.appended_slots makes them."""
+    config = MemoryConfig(budget_tokens=40, sink_tokens=4, window_tokens=8, buckets=1,
+                          policy="recency", evidence_candidates=0, max_new_tokens=4,
+                          host_budget_mb=64.0, recall_tokens=64, **TINY_FRAMES)
+    memory = StreamingMemory(tiny_model, config)
+    feed(memory, range(8))
+    assert memory.tiers.flush(10.0)
+    built = []
+    appended = memory.backend.appended_slots
+
+    @contextlib.contextmanager
+    def measured(keys, values):
+        with appended(keys, values):
+            layers = [memory.backend.cache.layers[i] for i in memory.backend.full]
+            built.append((keys.shape[2], sum(layer.keys.nbytes + layer.values.nbytes
+                                             for layer in layers)
+                          + keys.nbytes + values.nbytes))
+            yield
+
+    monkeypatch.setattr(memory.backend, "appended_slots", measured)
+    assert memory.ask("What did you see?").recalled_chunks >= 1
+    recalled, view_bytes = built[0]
+    base = PlanInputs(budget_tokens=config.budget_tokens, pixel_budget=config.pixel_budget,
+                      evidence_candidates=0, answer_tokens=4)
+    with_recall = replace(base, recall_tokens=recalled)
+    plan, plain = (make_plan(tiny_model.model.config, inputs, torch.device("cpu"),
+                             torch.float32, available=2**40) for inputs in (with_recall, base))
+    assert (plain.recall_tokens, plain.recall_bytes) == (0, 0)
+    assert plan.recall_bytes == view_bytes  # memory is full: M cached slots
+    over_view = make_plan(tiny_model.model.config,
+                          replace(base, budget_tokens=config.budget_tokens + recalled),
+                          torch.device("cpu"), torch.float32, available=2**40)
+    assert plan.question_bytes == over_view.question_bytes + plan.recall_bytes
+    assert plan.peak_bytes > plain.peak_bytes and "recall view" in plan.summary()
+    assert "recall view" not in plain.summary()
+
+
+def test_the_node_plans_recall_only_with_a_second_tier(tiny_model_dir, monkeypatch):
+    seen = []
+    monkeypatch.setattr(plan_module, "plan_for_path",
+                        lambda path, inputs, *rest: seen.append(inputs.recall_tokens)
+                        or make_plan(read_config(path), inputs, *rest, available=2**40))
+    for tiers in ({}, {"host_budget_mb": 1.0}):
+        plan_module.require_fit(tiny_model_dir, MemoryConfig(recall_tokens=256, **tiers), "cpu",
+                                "float32")
+    assert seen == [0, 256]
+    monkeypatch.undo()
+    code, out = run_cli("plan", "--json", "--config", MODELS / "qwen3_5_9b.json",
+                        "--recall-tokens", "2048", "--dtype", "bfloat16", "--available-gib", "80")
+    assert code == 0 and json.loads(out)["recall_bytes"] == (8192 + 2 * 2048) * 32 * 1024
