@@ -123,6 +123,11 @@ class TierStore:
         if disk_bytes and directory is None:
             raise ValueError("a disk tier needs a directory")
         self.host_bytes, self.disk_bytes, self.directory = host_bytes, disk_bytes, directory
+        # A store starts empty: an earlier run's files would count for nothing and fill the
+        # disk past its budget.
+        if directory is not None and directory.is_dir():
+            for stale in directory.glob("chunk-*.safetensors"):
+                stale.unlink()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._pending: deque[TierPiece] = deque()
         self._limit = pending

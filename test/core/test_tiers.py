@@ -197,3 +197,12 @@ def test_choose_recall_takes_the_best_that_fit():
     assert choose_recall(scores, tokens, budget=6) == [1]
     assert choose_recall(scores, tokens, budget=4) == [3]
     assert choose_recall(scores, tokens, budget=0) == []
+
+
+def test_a_new_store_starts_empty_on_disk(store_factory, tmp_path):
+    (tmp_path / "tiers").mkdir()
+    (tmp_path / "tiers" / "chunk-00000042.safetensors").write_bytes(b"left by an earlier run")
+    (tmp_path / "tiers" / "notes.txt").write_text("not ours")
+    store = store_factory(host_bytes=0, disk_bytes=10 * PIECE_BYTES)
+    assert sorted(p.name for p in (tmp_path / "tiers").iterdir()) == ["notes.txt"]
+    assert store.index().chunks == []
