@@ -39,7 +39,7 @@ from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES
 from deltas_ros.training.questions import is_correct
 from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
-from deltas_ros.training.scenes import BUSY, SceneStream
+from deltas_ros.training.scenes import BUSY, HOUR, SceneStream
 
 from .answers import FULL, STATE, cell, conditions, run_condition, wilson
 from .busy import busy_questions
@@ -69,8 +69,10 @@ def position(events: list[dict], question: str, seconds: float) -> str:
 def busy_streams(args: argparse.Namespace, probe: StreamingMemory,
                  ) -> Iterator[tuple[int, int, list, list[dict], int]]:
     """(seconds, seed, chunks, events, tokens with the chat prefix) per held-out busy stream of
-    --objects objects, for each --seconds length and --streams seeds from --first-seed."""
-    options = replace(BUSY, objects=(args.objects, args.objects))
+    --objects objects (--hour, where a benchmark has it: the hour world's, per 5-minute part),
+    for each --seconds length and --streams seeds from --first-seed."""
+    world = HOUR if getattr(args, "hour", False) else BUSY
+    options = replace(world, objects=(args.objects, args.objects))
     for seconds in args.seconds:
         for seed in range(args.first_seed, args.first_seed + args.streams):
             if seed >= VALIDATION_SEEDS:
