@@ -237,15 +237,20 @@ def paired_report(records: list[dict]) -> str:
     pairs = [(a, b) for a, b in PAIRS
              if any(r["condition"].startswith(f"{a}@") for r in records)
              and any(r["condition"].startswith(f"{b}@") for r in records)]
-    rows = []
-    for seconds in lengths:
-        for fraction in budgets:
-            row = [f"{seconds} s", f"{100 * fraction:g} %"]
-            for a, b in pairs:
-                d = paired(records, a, b, seconds, fraction)
-                row.append("-" if d is None else f"{d[0]:+.0f} ({d[1]:+.0f} to {d[2]:+.0f})")
-            rows.append(row)
+    rows = [paired_row(records, pairs, seconds, fraction)
+            for seconds in lengths for fraction in budgets]
     return md_table(["stream", "budget", *(f"{a} - {b}" for a, b in pairs)], rows)
+
+
+def paired_row(records: list[dict], pairs: list[tuple[str, str]], seconds: int,
+               fraction: float) -> list[str]:
+    """The stream and budget, then per (policy, against) pair the paired difference in points
+    with its interval ("-" where the records lack one)."""
+    row = [f"{seconds} s", f"{100 * fraction:g} %"]
+    for a, b in pairs:
+        d = paired(records, a, b, seconds, fraction)
+        row.append("-" if d is None else f"{d[0]:+.0f} ({d[1]:+.0f} to {d[2]:+.0f})")
+    return row
 
 
 def plot(table: dict[str, Any], out: Path) -> Path:

@@ -44,7 +44,7 @@ from deltas_ros.training.questions import QA, is_correct
 
 from .answers import FULL, cell
 from .busy import busy_questions
-from .busy_retention import aggregate, busy_streams, paired, position
+from .busy_retention import aggregate, busy_streams, paired_row, position
 from .common import add_answers_args, finish, md_table, memory_config, run_answers
 
 RECALL = "+recall"
@@ -183,14 +183,8 @@ def differences(records: list[dict]) -> str:
     pairs = [(n, FULL) for n in names] + [(n, NO_RECALL) for n in names]
     if NO_RECALL + RECALL in names and f"recency{RECALL}" in names:
         pairs.append((NO_RECALL + RECALL, f"recency{RECALL}"))
-    rows = []
-    for seconds, fraction in columns(records):
-        view = at_budget(records, fraction)
-        row = [f"{seconds} s", f"{100 * fraction:g} %"]
-        for a, b in pairs:
-            d = paired(view, a, b, seconds, fraction)
-            row.append("-" if d is None else f"{d[0]:+.0f} ({d[1]:+.0f} to {d[2]:+.0f})")
-        rows.append(row)
+    rows = [paired_row(at_budget(records, fraction), pairs, seconds, fraction)
+            for seconds, fraction in columns(records)]
     return md_table(["stream", "budget", *(f"{label(a)} - {label(b)}" for a, b in pairs)], rows)
 
 
