@@ -40,6 +40,7 @@ import torch
 from deltas_ros.core.loader import LoadedModel, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES
+from deltas_ros.core.results import Answer
 from deltas_ros.training.questions import QA, is_correct
 
 from .answers import FULL, cell
@@ -61,7 +62,7 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     return 2 * layers * text.num_key_value_heads * head_dim * element
 
 
-def asked_both_ways(memory: StreamingMemory, qa: QA) -> tuple[Any, Any]:
+def asked_both_ways(memory: StreamingMemory, qa: QA) -> tuple[Answer, Answer]:
     """(answer without recall, answer with it) from the same memory, one after the other, so
     their times are taken side by side."""
     config = memory.config
@@ -122,7 +123,7 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
 
 
 def record(stream: dict[str, Any], events: list[dict], condition: str, budget: int, qa: QA,
-           answer: Any, **more: Any) -> str:
+           answer: Answer, **more: Any) -> str:
     """One answer's JSON line: the stream's fields (seconds, seed, tokens), the question, the
     answer, its score and what recall did."""
     return json.dumps(stream | {
