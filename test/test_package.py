@@ -154,9 +154,12 @@ def test_action_and_new_fields_round_trip():
         Ask.Goal(question="where?", max_new_tokens=4, since=10.0, until=20.5),
         Ask.Feedback(answer="on the", tokens=2),
         Ask.Result(success=True, message="", answer="on the table", evidence_times=[12.0],
-                   evidence_stamps=[Time(sec=5)], evidence_poses=[pose], generated_tokens=3),
+                   evidence_stamps=[Time(sec=5)], evidence_poses=[pose], generated_tokens=3,
+                   recalled_chunks=4, recalled_from_disk=1),
         AskMemory.Request(question="where?", since=1.0, until=2.0),
         AskMemory.Response(success=False, message="no", error="no", evidence_poses=[pose]),
+        AskMemory.Response(success=True, answer="on the table", recalled_chunks=4,
+                           recalled_from_disk=1),
         DriftScore(chunk_index=1, pose=pose),
     ]
     for message in messages:

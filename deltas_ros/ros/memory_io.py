@@ -72,6 +72,8 @@ def fill_answer(target: Any, answer: Answer) -> None:
     target.evidence_poses = [pose_stamped(p, s) for p, s in zip(poses, answer.evidence_stamps)]
     target.memory_tokens = answer.memory_tokens
     target.memory_span_start, target.memory_span_end = answer.span_start, answer.span_end
+    target.recalled_chunks = answer.recalled_chunks
+    target.recalled_from_disk = answer.recalled_from_disk
 
 
 class PoseInput:

@@ -181,6 +181,16 @@ def test_the_reasoning_travels_apart_from_the_answer(target):
     assert (msg.answer, msg.reasoning) == ("red", "the cube on the left is red")
 
 
+@pytest.mark.parametrize("target", [AskMemory.Response, AskAction.Result])
+def test_what_the_question_recalled_travels_with_the_answer(target):
+    answer = Answer(text="red", evidence_times=[], evidence_stamps=[], memory_tokens=8,
+                    span_start=0.0, span_end=4.0, latency_ms=1.0, generated_tokens=1,
+                    recalled_chunks=3, recalled_from_disk=2)
+    msg = target()
+    fill_answer(msg, answer)
+    assert (msg.recalled_chunks, msg.recalled_from_disk) == (3, 2)
+
+
 def test_the_memory_view_follows_every_chunk_before_any_eviction(ros_env):
     """A memory below its budget evicts nothing, yet a viewer (rqt, the dashboard) sees each new
     chunk on ~/memory_image and ~/memory_chunks; an evicted chunk leaves both."""

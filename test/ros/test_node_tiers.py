@@ -1,15 +1,17 @@
 """The second tier through the node over DDS: configured by its parameters, its files in the
-memory directory, its use in diagnostics, and a question answered while it holds chunks."""
+memory directory, its use in diagnostics, and questions answered while it holds chunks, which
+say what they recalled (the AskMemory service and the ask action)."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from ros_helpers import Tester, start, status_values, stop
+from deltas_ros.action import AskMemory as AskAction
+from ros_helpers import Tester, send_goal, start, status_values, stop, wait_future
 
 
-def test_a_node_with_a_second_tier_reports_it_and_answers(tiny_model_dir, ros_domain):
+def test_a_second_tier_is_reported_and_answers_say_what_they_recalled(tiny_model_dir, ros_domain):
     process: subprocess.Popen = start(tiny_model_dir, ros_domain, reliable_qos="true",
                                       host_budget_mb="0.002", disk_budget_mb="1.0",
                                       recall_tokens="64")
@@ -24,7 +26,14 @@ def test_a_node_with_a_second_tier_reports_it_and_answers(tiny_model_dir, ros_do
         assert {"tier_host_chunks", "tier_host_bytes", "tier_dropped_pieces"} <= set(values)
         tiers = Path(ros_domain["ROS_HOME"]) / "deltas_ros" / "tiers"
         assert list(tiers.glob("chunk-*.safetensors"))
-        assert tester.ask("What did you see?", timeout=120).success
+        response = tester.ask("What did you see?", timeout=120)
+        assert response.success, response.message
+        assert 0 < response.recalled_chunks >= response.recalled_from_disk
+        handle = send_goal(tester.action, AskAction.Goal(question="What did you see?"), 120)
+        assert handle.accepted
+        result = wait_future(handle.get_result_async(), 120).result
+        assert result.success, result.message
+        assert 0 < result.recalled_chunks >= result.recalled_from_disk
     finally:
         tester.close()
         code, err = stop(process)
