@@ -138,8 +138,10 @@ def format_response(response: AskMemory.Response) -> str:
         return f"error: {response.error}"
     evidence = ", ".join(f"{t:.1f} s" for t in response.evidence_times) or "none"
     reasoning = f"reasoning: {response.reasoning}\n" if response.reasoning else ""
+    recalled = (f"; {response.recalled_chunks} chunks recalled ({response.recalled_from_disk} "
+                f"from disk)" if response.recalled_chunks else "")
     return (f"{reasoning}answer: {response.answer}\n"
             f"evidence (stream time): {evidence}\n"
             f"memory: {response.memory_tokens} tokens covering "
-            f"{response.memory_span_start:.1f}-{response.memory_span_end:.1f} s; "
+            f"{response.memory_span_start:.1f}-{response.memory_span_end:.1f} s{recalled}; "
             f"the node answered in {response.latency_ms:.0f} ms")

@@ -54,7 +54,9 @@ def result_dict(result: Any) -> dict:
             "evidence_poses": [pose_dict(p) for p in result.evidence_poses],
             "memory_tokens": result.memory_tokens,
             "memory_span": [result.memory_span_start, result.memory_span_end],
-            "latency_ms": result.latency_ms, "generated_tokens": result.generated_tokens}
+            "latency_ms": result.latency_ms, "generated_tokens": result.generated_tokens,
+            "recalled_chunks": result.recalled_chunks,
+            "recalled_from_disk": result.recalled_from_disk}
 
 
 def jpeg_of(msg: Image) -> bytes:

@@ -125,7 +125,8 @@ def robot_dict(answer: RobotAnswer) -> dict:
                      for t, s, p in zip(response.evidence_times, response.evidence_stamps,
                                         response.evidence_poses)],
         "memory_span": [response.memory_span_start, response.memory_span_end],
-        "latency_ms": response.latency_ms}
+        "latency_ms": response.latency_ms, "recalled_chunks": response.recalled_chunks,
+        "recalled_from_disk": response.recalled_from_disk}
 
 
 def format_fleet(answers: list[RobotAnswer]) -> str:

@@ -185,6 +185,7 @@ def test_dashboard_sees_chunks_and_answers(live):
     assert result["evidence_times"] and len(result["evidence_stamps"]) == len(
         result["evidence_times"])
     assert all(p["frame_id"] == "odom" for p in result["evidence_poses"])
+    assert result["recalled_chunks"] == result["recalled_from_disk"] == 0  # no second tier
 
 
 # Records what the page sends to /ask and the reply it streams back (a clone of the response).

@@ -24,8 +24,8 @@ from ros_helpers import (
     stop,
 )
 
-from deltas_ros.ros.ask_client import evidence_goal
-from deltas_ros.ros.fleet import ask_fleet, discover, format_fleet, robot_dict
+from deltas_ros.ros.ask_client import evidence_goal, format_response
+from deltas_ros.ros.fleet import RobotAnswer, ask_fleet, discover, format_fleet, robot_dict
 from deltas_ros.tools import cli
 
 ROBOTS = ("/robot1", "/robot2", "/robot3")
@@ -165,6 +165,7 @@ def test_ask_fleet_reports_each_robot_and_the_slow_one_as_late(fleet, slow_robot
         data = robot_dict(answer)
         assert data["evidence"] and data["evidence"][0]["pose"]["frame_id"] == "map"
         assert data["evidence"][0]["pose"]["y"] == pytest.approx(1.0)
+        assert data["recalled_chunks"] == data["recalled_from_disk"] == 0  # no second tier
     text = format_fleet(answers)
     assert "/robot2/deltas_memory: no answer within 20 s" in text
     assert " in map)" in text
@@ -219,6 +220,16 @@ def test_no_goal_without_a_known_evidence_pose():
                                  evidence_poses=[PoseStamped()])
     assert evidence_goal(unknown) is None
     assert evidence_goal(AskMemory.Response(success=False)) is None
+
+
+def test_an_answer_says_how_many_chunks_it_recalled_and_from_where():
+    response = AskMemory.Response(success=True, answer="red", memory_tokens=8,
+                                  recalled_chunks=3, recalled_from_disk=1)
+    assert "; 3 chunks recalled (1 from disk);" in format_response(response)
+    data = robot_dict(RobotAnswer("/robot1/deltas_memory", response))
+    assert (data["recalled_chunks"], data["recalled_from_disk"]) == (3, 1)
+    response.recalled_chunks = response.recalled_from_disk = 0
+    assert "recalled" not in format_response(response)
 
 
 @pytest.mark.parametrize("argv", [["--json"], ["--all", "--node", "/robot1/deltas_memory"],
