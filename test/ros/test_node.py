@@ -95,6 +95,7 @@ def test_streams_one_drift_per_second_and_answers_while_streaming(raw_node):
     assert all(answer.memory_span_start <= t <= answer.memory_span_end
                for t in answer.evidence_times)
     assert len(answer.evidence_stamps) == len(answer.evidence_times)
+    assert answer.recalled_chunks == answer.recalled_from_disk == 0  # no second tier
 
 
 def test_without_poses_the_markers_are_a_deleteall_alone(raw_node):

@@ -185,6 +185,7 @@ def test_action_streams_feedback_honours_cancel_and_leaves_the_memory(node):
     assert [f.tokens for f in feedback] == list(range(1, result.generated_tokens + 1))
     assert feedback and feedback[-1].answer == result.answer
     assert len(result.evidence_poses) == len(result.evidence_times) > 0
+    assert result.recalled_chunks == result.recalled_from_disk == 0  # no second tier
 
     status, cancelled, feedback = tester.goal("What did you see?", max_new_tokens=400,
                                               cancel_after=2)
