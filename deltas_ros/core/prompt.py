@@ -12,6 +12,7 @@ answers at once unless thinking is asked for.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import resource
 import warnings
@@ -105,7 +106,12 @@ def render_bounded(render: Callable[[], str], timeout_s: float | None = None) ->
 
 
 def _render_child(render: Callable[[], str], send: Connection) -> None:
-    """In the child: bound the memory it may add, render, send (ok, text or the error)."""
+    """In the child: bound the memory it may add, render, send (ok, text or the error).
+
+    The garbage collector is off first: a collection here would finalize objects inherited
+    from the parent (a memory, a tier writer's state), copied in whatever state the parent's
+    other threads had them in at the fork, and such a collection once killed the child."""
+    gc.disable()
     with open("/proc/self/statm") as statm:  # size in pages, then resident
         size = int(statm.read().split()[0]) * resource.getpagesize()
     _, hard = resource.getrlimit(resource.RLIMIT_AS)

@@ -19,13 +19,24 @@ SMALL = dict(budget_tokens=40, sink_tokens=4, window_tokens=8, buckets=1, policy
 QUESTION = "What did you see?"
 
 
-def tiered(tiny_model, **fields) -> StreamingMemory:
-    return StreamingMemory(tiny_model, MemoryConfig(**{**SMALL, "host_budget_mb": 64.0,
-                                                       "recall_tokens": 64, **fields}))
+@pytest.fixture
+def tiered(tiny_model):
+    """Memories with a second tier; their writer threads end with the test, so no later fork
+    (the chat template's bounded render) happens beside one at work."""
+    made: list[StreamingMemory] = []
+
+    def make(**fields) -> StreamingMemory:
+        made.append(StreamingMemory(tiny_model, MemoryConfig(
+            **{**SMALL, "host_budget_mb": 64.0, "recall_tokens": 64, **fields})))
+        return made[-1]
+
+    yield make
+    for memory in made:
+        memory.tiers.close()
 
 
-def test_evicted_slots_are_tiered_as_they_were_cached(tiny_model):
-    memory = tiered(tiny_model)
+def test_evicted_slots_are_tiered_as_they_were_cached(tiered):
+    memory = tiered()
     feed(memory, range(1))
     first = memory.slots.chunk == 0
     keys = [t[0][:, first] for t in memory.backend.newest(len(memory.slots))[0]]
@@ -41,8 +52,8 @@ def test_evicted_slots_are_tiered_as_they_were_cached(tiny_model):
     assert set(memory.slots.chunk[held].tolist()) | set(index.chunks) == set(range(8))
 
 
-def test_a_question_calls_back_tiered_chunks_and_leaves_the_memory_bitwise(tiny_model):
-    memory = tiered(tiny_model)
+def test_a_question_calls_back_tiered_chunks_and_leaves_the_memory_bitwise(tiered):
+    memory = tiered()
     feed(memory, range(8))
     assert memory.tiers.flush(10.0)
     before, tiers_before = frozen(memory), memory.tiers.index().chunks
@@ -55,17 +66,17 @@ def test_a_question_calls_back_tiered_chunks_and_leaves_the_memory_bitwise(tiny_
     assert replace(memory.ask(QUESTION), latency_ms=0) == replace(answer, latency_ms=0)
 
 
-def test_recall_off_answers_as_without_a_second_tier(tiny_model):
+def test_recall_off_answers_as_without_a_second_tier(tiny_model, tiered):
     plain = StreamingMemory(tiny_model, MemoryConfig(**SMALL))
-    off = tiered(tiny_model, recall_tokens=0)
+    off = tiered(recall_tokens=0)
     feed(plain, range(8))
     feed(off, range(8))
     a, b = plain.ask(QUESTION), off.ask(QUESTION)
     assert (a.text, a.evidence_times, b.recalled_chunks) == (b.text, b.evidence_times, 0)
 
 
-def test_a_window_the_gpu_tier_no_longer_holds_recalls_from_the_tiers(tiny_model):
-    memory = tiered(tiny_model)
+def test_a_window_the_gpu_tier_no_longer_holds_recalls_from_the_tiers(tiny_model, tiered):
+    memory = tiered()
     feed(memory, range(8))
     assert memory.tiers.flush(10.0)
     held = memory.slots.time[memory.slots.chunk >= 0]
@@ -79,8 +90,8 @@ def test_a_window_the_gpu_tier_no_longer_holds_recalls_from_the_tiers(tiny_model
         plain.ask(QUESTION, since=0.0, until=1.0)
 
 
-def test_recall_reads_the_disk_tier(tiny_model, tmp_path):
-    memory = tiered(tiny_model, host_budget_mb=0.0, disk_budget_mb=64.0,
+def test_recall_reads_the_disk_tier(tiered, tmp_path):
+    memory = tiered(host_budget_mb=0.0, disk_budget_mb=64.0,
                     tier_dir=str(tmp_path / "tiers"))
     feed(memory, range(8))
     assert memory.tiers.flush(10.0)
@@ -89,8 +100,8 @@ def test_recall_reads_the_disk_tier(tiny_model, tmp_path):
     assert answer.recalled_chunks == answer.recalled_from_disk >= 1
 
 
-def test_reset_clears_the_tiers(tiny_model):
-    memory = tiered(tiny_model)
+def test_reset_clears_the_tiers(tiered):
+    memory = tiered()
     feed(memory, range(8))
     assert memory.tiers.flush(10.0) and memory.tiers.index().chunks
     memory.reset()
