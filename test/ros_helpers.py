@@ -256,10 +256,19 @@ def wait_future(future, timeout: float):
 def send_goal(client: ActionClient, goal, timeout: float = 60.0,
               feedback: list | None = None) -> ClientGoalHandle:
     """The goal's handle once the server has accepted or rejected it (`handle.accepted`);
-    feedback messages are appended to `feedback` when given."""
+    feedback messages are appended to `feedback` when given.
+
+    Jazzy's rclpy registers a goal request only after sending it, so the Tester's spin thread
+    can take the response first and drop it ("Ignoring unexpected goal response"): a goal
+    unanswered for half the timeout is sent once more (a question leaves the memory as it was,
+    and the first goal's feedback is not ours to collect)."""
     assert client.wait_for_server(timeout_sec=30), "no ask action server"
     on_feedback = None if feedback is None else (lambda msg: feedback.append(msg.feedback))
-    return wait_future(client.send_goal_async(goal, feedback_callback=on_feedback), timeout)
+    for _ in range(2):
+        future = client.send_goal_async(goal, feedback_callback=on_feedback)
+        if wait_until(future.done, timeout / 2):
+            return future.result()
+    raise AssertionError("timed out: no goal response")
 
 
 def set_parameter(tester: Tester, name: str, value: int):
