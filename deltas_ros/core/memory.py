@@ -98,7 +98,7 @@ class StreamingMemory:
         # The second tier (None: evicted is gone); its writer thread ends with the memory.
         self.tiers = TierStore.for_config(self.config)
         if self.tiers is not None:
-            weakref.finalize(self, self.tiers.close)
+            weakref.finalize(self, self.tiers.close)  # a memory not closed still stops it
         self.reset()
 
     # ----------------------------------------------------------------------------- streaming
@@ -263,15 +263,18 @@ class StreamingMemory:
     def ask(self, question: str, max_new_tokens: int | None = None, *,
             since: float | None = None, until: float | None = None,
             on_token: Callable[[str, int, str], None] | None = None,
-            cancelled: Callable[[], bool] | None = None) -> Answer:
+            cancelled: Callable[[], bool] | None = None,
+            on_recall: Callable[[int, int], None] | None = None) -> Answer:
         """Answer from what the memory holds; the memory is left bit-identical.
 
         since, until: a stream-time window (seconds, inclusive, None = open): the full-attention
         layers see only the chat prefix and the retained chunks in it, and the evidence comes
         from them (the linear-attention states summarise the whole stream). on_token(answer so
         far, tokens so far, reasoning so far) after each token; cancelled() before each (then
-        `cancelled` is set). With a reasoning block open (MemoryConfig.thinking), the answer is
-        what follows `</think>` and the reasoning comes apart.
+        `cancelled` is set); on_recall(chunks recalled, of them from disk) once, before the
+        answer's first token, when the memory has a second tier. With a reasoning block open
+        (MemoryConfig.thinking), the answer is what follows `</think>` and the reasoning comes
+        apart.
         Validated first, changing nothing (ValueError; no position room: RuntimeError);
         positions are compacted only if the answer would not fit otherwise. A failure while
         answering raises QuestionFailed; after `max_question_s` the answer so far comes back
@@ -283,6 +286,8 @@ class StreamingMemory:
         self._make_room(len(ids) + limit, margin=0)
         kv_before = self.kv_tokens
         recalled, from_disk = self._recall(ids, allowed, since, until)
+        if on_recall is not None and self.tiers is not None:
+            on_recall(len(recalled), from_disk)
         slots = self.slots
         for piece in recalled:  # the question's view: recalled slots after the cached ones
             slots = slots.append(piece.time_s, piece.chunk, piece.score, piece.position,
@@ -310,7 +315,8 @@ class StreamingMemory:
             answer, evidence, memory_tokens=kv_before,
             latency_ms=(time.perf_counter() - start) * 1e3, generated_tokens=len(generated),
             truncated=stop == "deadline", cancelled=stop == "cancelled", reasoning=reasoning,
-            recalled_chunks=len(recalled), recalled_from_disk=from_disk)
+            recalled_chunks=len(recalled), recalled_from_disk=from_disk,
+            recalled_times=[piece.time_s for piece in recalled])
 
     def _window(self, since: float | None, until: float | None) -> torch.Tensor | None:
         """The slots a question over [since, until] may see (asking.window_slots); when the
@@ -421,7 +427,14 @@ class StreamingMemory:
             max_positions=self.max_positions, span_start=span_start, span_end=span_end,
             held=self.slots.held_chunks(self.limits),
             compactions=self.compactions,
+            tiered=[] if self.tiers is None else self.tiers.chunks(),
         )
+
+    def close(self) -> None:
+        """Stop the second tier's writer (its disk files stay until reset or the next start);
+        the memory is not used after this."""
+        if self.tiers is not None:
+            self.tiers.close()
 
 
 def raise_rolled_back(kind: type[RuntimeError], what: str, failure: BaseException,

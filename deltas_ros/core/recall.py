@@ -20,11 +20,6 @@ def key_summary(keys: torch.Tensor) -> torch.Tensor:
     return keys.float().mean(2)
 
 
-def merged_summary(a: torch.Tensor, count_a: int, b: torch.Tensor, count_b: int) -> torch.Tensor:
-    """The summary of two pieces of one chunk (their tokens' mean, weighted by their counts)."""
-    return (a * count_a + b * count_b) / (count_a + count_b)
-
-
 def recall_scores(queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
     """queries (L, H_q, q, D), summaries (C, L, H_kv, D) -> (C,) one score per chunk.
 

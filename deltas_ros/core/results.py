@@ -75,7 +75,8 @@ class Answer:
     "" without one). A block still open when generation stopped leaves `text` empty.
     evidence_poses: the robot pose at each evidence chunk's stamp (None where unknown).
     recalled_chunks, recalled_from_disk: chunks the question called back from the second tier
-    (MemoryConfig.recall_tokens), and how many of them were read from disk.
+    (MemoryConfig.recall_tokens), and how many of them were read from disk; recalled_times their
+    stream times, oldest first.
     """
 
     text: str
@@ -92,6 +93,7 @@ class Answer:
     reasoning: str = ""
     recalled_chunks: int = 0
     recalled_from_disk: int = 0
+    recalled_times: list[float] = field(default_factory=list)
 
 
 class HeldChunk(NamedTuple):
@@ -102,6 +104,15 @@ class HeldChunk(NamedTuple):
     tokens: int  # its slots still in the cache (fewer than it brought once it was thinned)
     bucket: int  # the temporal bucket its evictable slots compete in; -1: none (recent window)
     pose: Pose | None = None  # the robot's pose at its stamp, when known (~/memory_markers)
+
+
+class TieredChunk(NamedTuple):
+    """A chunk (or the part of it) the GPU budget let go, waiting in the second tier."""
+
+    index: int
+    time: float
+    tokens: int  # its slots in the second tier
+    tier: str  # "host" or "disk"
 
 
 @dataclass
@@ -118,6 +129,7 @@ class MemoryStats:
     span_end: float
     held: list[HeldChunk] = field(default_factory=list)  # the retained chunks, oldest first
     compactions: int = 0
+    tiered: list[TieredChunk] = field(default_factory=list)  # the second tier, oldest first
 
     @property
     def retained_chunks(self) -> list[int]:

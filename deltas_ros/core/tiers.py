@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,7 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from .config import MemoryConfig
 from .poses import Pose
-from .recall import key_summary, merged_summary
+from .recall import key_summary
+from .results import TieredChunk
 from .slot_table import SlotTable
 
 HOST, DISK = "host", "disk"
@@ -81,7 +83,7 @@ class _Entry:
     tokens: int
     nbytes: int
     mean_score: float
-    summary: torch.Tensor  # (L, H_kv, D) float32
+    summary: torch.Tensor  # recall.key_summary of its keys, e.g. (L, H_kv, D) float32
     tier: str = HOST
     piece: TierPiece | None = None
     path: Path | None = None
@@ -135,6 +137,8 @@ class TierStore:
         self._busy = False
         self._closed = False
         self.stats = TierStats()
+        # keys (L, H_kv, n, D) -> the chunk's key summary that recall scores (recall.py)
+        self.summarize: Callable[[torch.Tensor], torch.Tensor] = key_summary
         self._thread = threading.Thread(target=self._write_loop, name="tier-writer", daemon=True)
         self._thread.start()
 
@@ -176,6 +180,12 @@ class TierStore:
                              torch.tensor([e.tokens for e in entries], dtype=torch.long),
                              [e.tier for e in entries], summaries)
 
+    def chunks(self) -> list[TieredChunk]:
+        """Every tiered chunk, oldest first, with its tokens and tier: for a viewer."""
+        with self._lock:
+            entries = sorted(self._entries.values(), key=lambda e: (e.time_s, e.chunk))
+            return [TieredChunk(e.chunk, e.time_s, e.tokens, e.tier) for e in entries]
+
     def load(self, chunks: list[int]) -> list[TierPiece]:
         """The pieces of `chunks`, from host memory or read back from disk (a file that cannot
         be read raises, naming it)."""
@@ -195,7 +205,7 @@ class TierStore:
             self.stats = TierStats()
 
     def close(self) -> None:
-        """Stop the writer (pieces still queued are dropped)."""
+        """Stop the writer (pieces still queued are dropped); closing twice is harmless."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
@@ -229,11 +239,10 @@ class TierStore:
         """Put a piece in the host tier, merged with what its chunk already has in a tier. Only
         this thread adds or removes entries (`clear` waits for it), so it reads them unlocked."""
         entry = self._entries.get(piece.chunk)
-        summary = key_summary(piece.keys)
         whole = piece
         if entry is not None:
             whole = (entry.piece if entry.piece is not None else _read(entry)).merged(piece)
-            summary = merged_summary(entry.summary, entry.tokens, summary, piece.tokens)
+        summary = self.summarize(whole.keys)
         with self._lock:
             if entry is not None:
                 self._forget(entry)

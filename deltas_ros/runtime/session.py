@@ -162,6 +162,8 @@ class Session:
         ended = self.worker.stop(timeout_s) if self.worker is not None else True
         if ended:
             self.worker = None
+            if self.memory is not None:
+                self.memory.close()
         self.memory = self.last_result = None
         self.ready = False
         release_memory()

@@ -32,7 +32,7 @@ def tiered(tiny_model):
 
     yield make
     for memory in made:
-        memory.tiers.close()
+        memory.close()
 
 
 def test_evicted_slots_are_tiered_as_they_were_cached(tiered):
@@ -58,8 +58,13 @@ def test_a_question_calls_back_tiered_chunks_and_leaves_the_memory_bitwise(tiere
     assert memory.tiers.flush(10.0)
     before, tiers_before = frozen(memory), memory.tiers.index().chunks
     oldest_held = float(memory.slots.time[memory.slots.chunk >= 0].min())
-    answer = memory.ask(QUESTION)
+    told: list[tuple[int, int]] = []
+    answer = memory.ask(QUESTION, on_recall=lambda n, disk: told.append((n, disk)))
     assert answer.recalled_chunks >= 1 and answer.recalled_from_disk == 0
+    assert told == [(answer.recalled_chunks, 0)]
+    tiered_times = {c.time for c in memory.stats().tiered}
+    assert len(answer.recalled_times) == answer.recalled_chunks
+    assert set(answer.recalled_times) <= tiered_times
     assert answer.span_start < oldest_held  # the question saw a tiered chunk
     assert_same_state(frozen(memory), before)
     assert memory.tiers.index().chunks == tiers_before

@@ -14,7 +14,6 @@ from deltas_ros.core.poses import Pose
 from deltas_ros.core.recall import (
     choose_recall,
     key_summary,
-    merged_summary,
     recall_scores,
     recall_scores_reference,
 )
@@ -182,12 +181,6 @@ def test_the_chunk_whose_keys_match_the_question_scores_highest():
     summaries = torch.randn(6, LAYERS, HEADS, DIM, generator=g)
     queries = summaries[4].unsqueeze(2).repeat(1, 1, 3, 1) * 5
     assert int(recall_scores(queries, summaries).argmax()) == 4
-
-
-def test_merged_summaries_are_the_mean_of_all_tokens():
-    keys = torch.randn(LAYERS, HEADS, 5, DIM)
-    merged = merged_summary(key_summary(keys[:, :, :2]), 2, key_summary(keys[:, :, 2:]), 3)
-    torch.testing.assert_close(merged, key_summary(keys))
 
 
 def test_choose_recall_takes_the_best_that_fit():
