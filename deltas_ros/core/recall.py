@@ -2,53 +2,95 @@
 queries, the best ones taken up to a token budget.
 
 A chunk that left the GPU keeps, beside its K/V, one small summary per full-attention layer and
-KV head: the mean of its keys (ReKV's block representation). A question's queries at those
-layers, from its prefill over the GPU tier, score every summary at once; the score is the
-attention logit the chunk's mean key would get, averaged over layers, query heads and the
-question's tokens. `recall_scores_reference` is the same, one chunk and one head at a time.
+KV head, which a question's queries at those layers (from its prefill over the GPU tier) score
+for every chunk at once. Summary kinds (`SUMMARY_KINDS`, made by `summarizer`):
+
+- `mean`: the mean of its keys (ReKV's block representation), scored by the attention logit
+  it would get, averaged over layers, query heads and the question's tokens;
+- `top-norm`: its `REPRESENTATIVES` keys of largest norm (a query-agnostic stand-in for
+  InfLLM's representative tokens), each query token taking its best logit among them;
+- `all-keys`: every key, scored the same way: what scoring token by token could reach, at the
+  cost of keeping every key beside the index.
+
+`key_summary` is the kind the store keeps by default. recall_reference.py writes each out one
+element at a time.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
+REPRESENTATIVES = 4  # keys per layer and KV head that `top-norm` keeps
+SUMMARY_KINDS = ("mean", "top-norm", "all-keys")
 
-def key_summary(keys: torch.Tensor) -> torch.Tensor:
+
+def mean_key(keys: torch.Tensor) -> torch.Tensor:
     """keys (L, H_kv, n, D) -> (L, H_kv, D) float32: the mean key of each layer and KV head."""
     return keys.float().mean(2)
 
 
+def top_norm_keys(keys: torch.Tensor, count: int = REPRESENTATIVES) -> torch.Tensor:
+    """keys (L, H_kv, n, D) -> (L, H_kv, count, D) float32: per layer and KV head the `count`
+    keys of largest norm, in token order; a chunk of fewer keys repeats its last one (a set's
+    best logit is unchanged by a repeat), so every chunk's summary stacks."""
+    keys = keys.float()
+    chosen = keys.norm(dim=-1).topk(min(count, keys.shape[2]), dim=-1).indices.sort(-1).values
+    picked = keys.gather(2, chosen.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    return _padded(picked, count)
+
+
+def all_keys(keys: torch.Tensor, capacity: int) -> torch.Tensor:
+    """keys (L, H_kv, n, D) -> (L, H_kv, capacity, D) float32: every key, the last repeated up
+    to `capacity` (the largest chunk's tokens) so that every chunk's summary stacks."""
+    if keys.shape[2] > capacity:
+        raise ValueError(f"a chunk of {keys.shape[2]} keys exceeds the capacity {capacity}")
+    return _padded(keys.float(), capacity)
+
+
+def _padded(keys: torch.Tensor, size: int) -> torch.Tensor:
+    """keys (L, H_kv, n, D), n <= size -> (L, H_kv, size, D): the last key repeated."""
+    return torch.cat([keys, keys[:, :, -1:].expand(-1, -1, size - keys.shape[2], -1)], 2)
+
+
+def summarizer(kind: str, chunk_tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The summary function of `kind` (TierStore.summarize): keys (L, H_kv, n, D) -> the
+    chunk's summary; `chunk_tokens` bounds n (used by `all-keys` only)."""
+    if kind == "mean":
+        return mean_key
+    if kind == "top-norm":
+        return top_norm_keys
+    if kind == "all-keys":
+        return lambda keys: all_keys(keys, chunk_tokens)
+    raise ValueError(f"unknown summary kind {kind!r} (one of {', '.join(SUMMARY_KINDS)})")
+
+
+def key_summary(keys: torch.Tensor) -> torch.Tensor:
+    """The summary a tier store keeps by default: `mean_key`, (L, H_kv, n, D) -> (L, H_kv, D)."""
+    return mean_key(keys)
+
+
 def recall_scores(queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-    """queries (L, H_q, q, D), summaries (C, L, H_kv, D) -> (C,) one score per chunk.
+    """queries (L, H_q, q, D), summaries (C, L, H_kv, D) or (C, L, H_kv, r, D) -> (C,) one score
+    per chunk.
 
     H_q is a multiple of H_kv (grouped-query attention: query head h reads KV head
-    h // (H_q // H_kv)); scores are q . k / sqrt(D), averaged over layers, heads and tokens.
+    h // (H_q // H_kv)). One key per head (the mean): q . k / sqrt(D), averaged over layers,
+    heads and tokens. r keys per head: each query token's largest q . k / sqrt(D) among them,
+    averaged the same way.
     """
-    layers, heads, _, dim = queries.shape
     if summaries.numel() == 0:
         return torch.empty(0)
-    groups = heads // summaries.shape[2]
-    mean_query = queries.float().mean(2).reshape(layers, summaries.shape[2], groups, dim)
-    logits = torch.einsum("lkgd,clkd->c", mean_query, summaries.float())
-    return logits / (layers * heads * math.sqrt(dim))
-
-
-def recall_scores_reference(queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-    """`recall_scores` written out: every chunk, layer, query head and token one at a time."""
     layers, heads, tokens, dim = queries.shape
-    scores = []
-    for chunk in summaries:
-        total = 0.0
-        for layer in range(layers):
-            groups = heads // chunk.shape[1]
-            for head in range(heads):
-                key = chunk[layer, head // groups].double()
-                for token in range(tokens):
-                    total += float(queries[layer, head, token].double() @ key) / math.sqrt(dim)
-        scores.append(total / (layers * heads * tokens))
-    return torch.tensor(scores, dtype=torch.float32)
+    kv_heads = summaries.shape[2]
+    grouped = queries.float().reshape(layers, kv_heads, heads // kv_heads, tokens, dim)
+    if summaries.dim() == 4:
+        logits = torch.einsum("lkgd,clkd->c", grouped.mean(3), summaries.float())
+        return logits / (layers * heads * math.sqrt(dim))
+    best = torch.einsum("lkgtd,clkrd->clkgtr", grouped, summaries.float()).amax(-1)
+    return best.sum((1, 2, 3, 4)) / (layers * heads * tokens * math.sqrt(dim))
 
 
 def choose_recall(scores: torch.Tensor, tokens: torch.Tensor, budget: int) -> list[int]:
