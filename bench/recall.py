@@ -10,14 +10,19 @@ validation seeds; --hour: the hour world, --objects of its own per 5-minute part
 `StreamingMemory` once with no eviction (`full`) and, per --fractions budget M of the stream's
 tokens, once per --policies entry with a host tier large enough for the whole stream and
 recall_tokens = --recall-tokens (default M). Every "did you see" question (every object shown,
-as many never shown) is asked of that one memory twice, side by side: with recall switched off
-(`<policy>`: the GPU tier alone, the answer as without a second tier) and on
-(`<policy>+recall`). `recency+recall` is ReKV's baseline (sinks and the recent window on the
-GPU, the same recall at the same budget). 95 % Wilson intervals; paired differences on the same
-questions with a bootstrap over streams; recalled chunks per question; the question time with
-recall over the time without.
+as many never shown) is asked of that one memory several times, side by side: with recall
+switched off (`<policy>`: the GPU tier alone, the answer as without a second tier), then with
+recall scoring the tiered chunks by each --summary kind of key summary (`<policy>+recall:<kind>`,
+recall.SUMMARY_KINDS; the memory's tiered chunks are re-summarized per kind), then with the
+`oracle`'s chunks: those where the asked object was in view, within the same recall tokens
+(what a perfect score could recall; nothing for a never-shown object). `recency+recall:mean` is
+ReKV's baseline (sinks and the recent window on the GPU, the mean key, the same budget). 95 %
+Wilson intervals; paired differences on the same questions with a bootstrap over streams; how
+many recalled chunks had the asked object in view, and whether the questions missed without
+recall had it in a GPU-held or a tiered chunk; recalled chunks per question; the question time
+with recall over the time without.
 
-    python -m bench.recall --streams 8 --out bench/results/recall
+    python -m bench.recall --streams 8 --summary mean top-norm all-keys --out bench/results/recall
     python -m bench.recall --hour --streams 4 --objects 3 --seconds 1800 3600 --out DIR
     python -m bench.recall --report a.jsonl b.jsonl --out bench/results/recall
 
@@ -30,26 +35,34 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
 
+from deltas_ros.core import memory as memory_module
 from deltas_ros.core.loader import LoadedModel, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES
+from deltas_ros.core.recall import SUMMARY_KINDS, choose_recall, summarizer
 from deltas_ros.core.results import Answer
-from deltas_ros.training.questions import QA, is_correct
+from deltas_ros.core.tiers import TierIndex, TierStore
+from deltas_ros.training.questions import QA, identities_of, is_correct
 
 from .answers import FULL, cell
 from .busy import busy_questions
-from .busy_retention import aggregate, busy_streams, paired_row, position
+from .busy_misses import in_view
+from .busy_retention import NEVER, aggregate, busy_streams, paired_row, position
 from .common import add_answers_args, finish, md_table, memory_config, run_answers
 
 RECALL = "+recall"
 NO_RECALL = "surprise"  # the default policy without recall: what recall is measured against
+ORACLE = "oracle"  # recall of the chunks where the asked object was in view: a perfect score
 HOST_SLACK = 2.0  # host tier over the stream's K/V bytes (the key summaries, the last chunk)
 
 
@@ -62,16 +75,81 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     return 2 * layers * text.num_key_value_heads * head_dim * element
 
 
-def asked_both_ways(memory: StreamingMemory, qa: QA) -> tuple[Answer, Answer]:
-    """(answer without recall, answer with it) from the same memory, one after the other, so
-    their times are taken side by side."""
-    config = memory.config
+def restocked(store: TierStore, kind: str) -> TierStore:
+    """A host tier holding `store`'s chunks, summarized by `kind` (recall.summarizer)."""
+    index = store.index()
+    other = TierStore(host_bytes=store.host_bytes, pending=len(index.chunks) + 1)
+    other.summarize = summarizer(kind, int(index.tokens.max()) if index.chunks else 1)
+    for piece in store.load(index.chunks):
+        other.put(piece)
+    other.flush(timeout=600.0)
+    return other
+
+
+def asked_object(events: list[dict], question: str) -> tuple[str, str] | None:
+    """(colour, shape) of the shown object a "did you see" question names; None if never
+    shown."""
+    for shown in identities_of(events):
+        if f"{shown['colour']} {shown['shape']}" in question:
+            return shown["colour"], shown["shape"]
+    return None
+
+
+def with_object(events: list[dict], asked: tuple[str, str] | None, times: list[float]) -> int:
+    """How many chunks at these stream times had the asked object in view."""
+    if asked is None or not times:
+        return 0
+    return int(in_view(events, *asked, np.asarray(times, dtype=float)).sum())
+
+
+@contextmanager
+def oracle_recall(events: list[dict], asked: tuple[str, str] | None) -> Iterator[None]:
+    """Within this block a memory's questions recall the tiered chunks where the asked object
+    was in view, those nearest the middle of its time in view first, within the same
+    recall_tokens (nothing for an object never shown)."""
+    spans = [(e["time"] + e["end"]) / 2 for e in events if e.get("kind") == "object"
+             and asked == (e["colour"], e["shape"])]
+
+    def chosen(backend, index: TierIndex, ids, position, visible, since, until,
+               budget: int) -> list[int]:
+        times = index.times.numpy()
+        mask = in_view(events, *asked, times) if asked else np.zeros(len(times), bool)
+        picked = np.flatnonzero(mask)
+        near = torch.tensor([-min(abs(times[i] - mid) for mid in spans) for i in picked])
+        return [index.chunks[int(picked[i])]
+                for i in choose_recall(near, index.tokens[picked], budget)]
+
+    with mock.patch.object(memory_module, "recall_chunks", chosen):
+        yield
+
+
+def asked_every_way(memory: StreamingMemory, stores: dict[str, TierStore], events: list[dict],
+                    qa: QA) -> dict[str, Answer]:
+    """{"": the answer without recall, kind: with recall from `kind`'s summaries, ORACLE: with
+    the oracle's chunks}, asked of the same memory one after the other, so that their times are
+    taken side by side."""
+    config, tiers = memory.config, memory.tiers
     memory.config = replace(config, recall_tokens=0)
     try:
-        without = memory.ask(qa.question)
+        answers = {"": memory.ask(qa.question)}
     finally:
         memory.config = config
-    return without, memory.ask(qa.question)
+    try:
+        for kind, store in stores.items():
+            memory.tiers = store
+            answers[kind] = memory.ask(qa.question)
+        memory.tiers = tiers
+        with oracle_recall(events, asked_object(events, qa.question)):
+            answers[ORACLE] = memory.ask(qa.question)
+    finally:
+        memory.tiers = tiers
+    return answers
+
+
+def held_times(memory: StreamingMemory) -> list[float]:
+    """Stream times of the chunks the GPU tier holds (any of their tokens)."""
+    chunks = memory.slots.chunk
+    return [memory.slots.chunk_time(c) for c in chunks[chunks >= 0].unique().tolist()]
 
 
 def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
@@ -107,16 +185,25 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                         evidence_candidates=0, host_budget_mb=host_mb, recall_tokens=recall))
                     for frames, times in chunks:
                         memory.add_chunk(frames, times)
-                    answers = [asked_both_ways(memory, qa) for qa in qas]
+                    memory.tiers.flush(timeout=600.0)
+                    stores = {kind: restocked(memory.tiers, kind) for kind in args.summary}
                     stats = memory.tiers.current_stats()
                     tier = {"recall_tokens": recall, "host_budget_bytes": int(host_mb * 2**20),
                             "tier_host_bytes": stats.host_bytes,
                             "tier_lost": stats.dropped_pieces + stats.dropped_chunks}
-                    for qa, (without, with_recall) in zip(qas, answers):
-                        out.write(record(stream, events, f"{policy}@{fraction:g}", budget, qa,
-                                         without, **tier))
-                        out.write(record(stream, events, f"{policy}{RECALL}@{fraction:g}",
-                                         budget, qa, with_recall, **tier))
+                    held, tiered = held_times(memory), memory.tiers.index().times.tolist()
+                    for qa in qas:
+                        asked = asked_object(events, qa.question)
+                        where = {"object_chunks_held": with_object(events, asked, held),
+                                 "object_chunks_tiered": with_object(events, asked, tiered)}
+                        for kind, answer in asked_every_way(memory, stores, events, qa).items():
+                            name = f"{policy}{RECALL}:{kind}" if kind else policy
+                            out.write(record(
+                                stream, events, f"{name}@{fraction:g}", budget, qa, answer,
+                                recalled_with_object=with_object(
+                                    events, asked, answer.recalled_times), **where, **tier))
+                    for store in stores.values():
+                        store.close()
                     memory.tiers.close()
                     log(seconds, seed, f"{policy}{RECALL}@{fraction:g}", started)
             out.flush()
@@ -147,24 +234,44 @@ def columns(records: list[dict]) -> list[tuple[int, float]]:
 
 def policies(records: list[dict]) -> list[str]:
     """The policies asked, the default first."""
-    names = {r["condition"].split("@")[0].removesuffix(RECALL) for r in records
+    names = {r["condition"].split("@")[0].split(RECALL)[0] for r in records
              if "@" in r["condition"]}
     return sorted(names, key=lambda p: (p != NO_RECALL, p))
 
 
+def kinds(records: list[dict]) -> list[str]:
+    """The summary kinds recalled with, in SUMMARY_KINDS order, the oracle last."""
+    names = {r["condition"].split("@")[0].split(":")[1] for r in records
+             if RECALL + ":" in r["condition"]}
+    return [k for k in (*SUMMARY_KINDS, ORACLE) if k in names]
+
+
+def recalled(policy: str, kind: str) -> str:
+    return f"{policy}{RECALL}:{kind}"
+
+
 def label(condition: str) -> str:
-    return {f"recency{RECALL}": f"recency{RECALL} (rekv)"}.get(condition, condition)
+    """ReKV's baseline is recency with recall by the mean key."""
+    return condition + (" (rekv)" if condition == recalled("recency", "mean") else "")
 
 
-def accuracy(records: list[dict]) -> str:
+def rows_of(records: list[dict]) -> list[str]:
+    """Every condition but full memory: per policy, without recall then with each kind."""
+    return [name for policy in policies(records)
+            for name in (policy, *(recalled(policy, k) for k in kinds(records)))]
+
+
+def accuracy(records: list[dict], shown_only: bool = False) -> str:
+    """% correct per condition and cell (`shown_only`: the questions about shown objects)."""
+    if shown_only:
+        records = [r for r in records if r["position"] != NEVER]
     table = aggregate(records)
     cells = columns(records)
     streams = {s: len({r["seed"] for r in records if r["seconds"] == s}) for s, _ in cells}
     rows = [[FULL] + [cell(table.get(FULL, {}).get(str(s), {}).get("all")) for s, _ in cells]]
-    for policy in policies(records):
-        for name in (policy, policy + RECALL):
-            rows.append([label(name)] + [cell(table.get(f"{name}@{f:g}", {})
-                                              .get(str(s), {}).get("all")) for s, f in cells])
+    for name in rows_of(records):
+        rows.append([label(name)] + [cell(table.get(f"{name}@{f:g}", {})
+                                          .get(str(s), {}).get("all")) for s, f in cells])
     headers = ["condition"] + [f"{s} s at {100 * f:g} % ({streams[s]} streams)"
                                for s, f in cells]
     return md_table(headers, rows)
@@ -177,41 +284,79 @@ def at_budget(records: list[dict], fraction: float) -> list[dict]:
 
 
 def differences(records: list[dict]) -> str:
-    """Per cell, each recall row minus full memory, minus surprise without recall, and the
-    default with recall minus rekv: points on the same questions (95 % bootstrap over
-    streams)."""
-    names = [p + RECALL for p in policies(records)]
-    pairs = [(n, FULL) for n in names] + [(n, NO_RECALL) for n in names]
-    if NO_RECALL + RECALL in names and f"recency{RECALL}" in names:
-        pairs.append((NO_RECALL + RECALL, f"recency{RECALL}"))
-    rows = [paired_row(at_budget(records, fraction), pairs, seconds, fraction)
-            for seconds, fraction in columns(records)]
-    return md_table(["stream", "budget", *(f"{label(a)} - {label(b)}" for a, b in pairs)], rows)
+    """Per cell and recall row: minus full memory, minus the same memory without recall, and
+    (the default policy) minus ReKV recalling with the same kind: points on the same questions
+    (95 % bootstrap over streams)."""
+    rows = []
+    for seconds, fraction in columns(records):
+        paired_records = at_budget(records, fraction)
+        for policy in policies(records):
+            for kind in kinds(records):
+                name = recalled(policy, kind)
+                against = [FULL, policy]
+                if policy == NO_RECALL and "recency" in policies(records):
+                    against.append(recalled("recency", kind))
+                row = paired_row(paired_records, [(name, a) for a in against], seconds,
+                                 fraction)
+                rows.append([*row[:2], label(name), *row[2:], *["-"] * (3 - len(against))])
+    return md_table(["stream", "budget", "condition", "- full", "- without recall",
+                     "- recency+recall (same kind)"], rows)
+
+
+def aim(records: list[dict]) -> str:
+    """Per cell and recall row, over the questions about shown objects: the share of recalled
+    chunks that had the asked object in view, and the share of questions with at least one;
+    then, of the questions missed without recall, how many had the object in a GPU-held chunk
+    and in a tiered one."""
+    rows = []
+    shown = [r for r in records if r["position"] != NEVER and "recalled_with_object" in r]
+    for seconds, fraction in columns(records):
+        for policy in policies(records):
+            missed = [r for r in shown if r["seconds"] == seconds and not r["correct"]
+                      and r["condition"] == f"{policy}@{fraction:g}"]
+            for kind in kinds(records):
+                mine = [r for r in shown if r["seconds"] == seconds
+                        and r["condition"] == f"{recalled(policy, kind)}@{fraction:g}"]
+                if not mine:
+                    continue
+                share = (sum(r["recalled_with_object"] for r in mine)
+                         / max(sum(r["recalled_chunks"] for r in mine), 1))
+                rows.append([f"{seconds} s", f"{100 * fraction:g} %",
+                             label(recalled(policy, kind)), len(mine), f"{share:.2f}",
+                             f"{np.mean([r['recalled_with_object'] > 0 for r in mine]):.2f}",
+                             len(missed), sum(r["object_chunks_held"] > 0 for r in missed),
+                             sum(r["object_chunks_tiered"] > 0 for r in missed)])
+    return md_table(["stream", "budget", "condition", "shown-object questions",
+                     "recalled chunks with the object", "questions recalling it",
+                     "missed without recall", "of them held on the GPU", "of them tiered"],
+                    rows)
 
 
 def costs(records: list[dict]) -> str:
-    """Per cell and policy: recalled chunks per question, the question time with recall over
-    the time without (the same questions of the same memory), the host tier's bytes."""
+    """Per cell and recall row: recalled chunks per question, the question time with recall
+    over the time without (the same questions of the same memory), the host tier's bytes."""
     by_cell: dict[tuple[int, str], list[dict]] = {}
     for r in records:
         by_cell.setdefault((r["seconds"], r["condition"]), []).append(r)
     rows = []
     for seconds, fraction in columns(records):
         for policy in policies(records):
-            with_recall = by_cell.get((seconds, f"{policy}{RECALL}@{fraction:g}"), [])
             without = by_cell.get((seconds, f"{policy}@{fraction:g}"), [])
-            if not with_recall or not without:
-                continue
-            ratio = (sum(r["latency_ms"] for r in with_recall)
-                     / max(sum(r["latency_ms"] for r in without), 1e-9))
-            host = np.mean([r["tier_host_bytes"] for r in with_recall]) / 2**20
-            rows.append([f"{seconds} s", f"{100 * fraction:g} %", label(policy + RECALL),
-                         f"{with_recall[0]['recall_tokens']}",
-                         f"{np.mean([r['recalled_chunks'] for r in with_recall]):.1f}",
-                         f"{np.median([r['latency_ms'] for r in without]):.0f}",
-                         f"{np.median([r['latency_ms'] for r in with_recall]):.0f}",
-                         f"{ratio:.2f}", f"{host:.2f}",
-                         f"{sum(r['tier_lost'] for r in with_recall)}"])
+            for kind in kinds(records):
+                with_recall = by_cell.get((seconds, f"{recalled(policy, kind)}@{fraction:g}"),
+                                          [])
+                if not with_recall or not without:
+                    continue
+                ratio = (sum(r["latency_ms"] for r in with_recall)
+                         / max(sum(r["latency_ms"] for r in without), 1e-9))
+                host = np.mean([r["tier_host_bytes"] for r in with_recall]) / 2**20
+                rows.append([f"{seconds} s", f"{100 * fraction:g} %",
+                             label(recalled(policy, kind)), f"{with_recall[0]['recall_tokens']}",
+                             f"{np.mean([r['recalled_chunks'] for r in with_recall]):.1f}",
+                             f"{np.median([r['latency_ms'] for r in without]):.0f}",
+                             f"{np.median([r['latency_ms'] for r in with_recall]):.0f}",
+                             f"{ratio:.2f}", f"{host:.2f}",
+                             f"{sum(r['tier_lost'] for r in with_recall)}"])
     return md_table(["stream", "budget", "condition", "recall tokens",
                      "recalled chunks / question", "question ms without (median)",
                      "with (median)", "time with / without (sums)", "host tier MiB (mean)",
@@ -233,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="tokens a question calls back (default 0: the budget M)")
     parser.add_argument("--hour", action="store_true",
                         help="the hour world: --objects objects of its own per 5-minute part")
+    parser.add_argument("--summary", nargs="+", default=["mean"], choices=SUMMARY_KINDS,
+                        help="key summaries to recall with, each over the same memory")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     add_answers_args(parser)
     args, results, records, _ = run_answers("recall", parser, argv, evaluate)
@@ -242,11 +389,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              f"{args.objects} objects" + (" per 5 minutes" if args.hour else " a stream"))
     body = ("\"Did you see ...?\", shown and never shown together, % correct (95 % Wilson "
             "interval, questions). `<policy>`: the GPU tier alone at budget M; "
-            "`<policy>+recall`: the same memory with recall from a host tier holding the "
-            "whole stream:\n\n" + accuracy(records))
+            "`<policy>+recall:<kind>`: the same memory with recall from a host tier holding the "
+            "whole stream, chunks scored by their `<kind>` key summary (`oracle`: the chunks "
+            "where the asked object was in view, within the same recall tokens):\n\n"
+            + accuracy(records))
+    body += ("\nThe questions about shown objects alone:\n\n" + accuracy(records, True))
     body += ("\nDifferences in points correct on the same questions (95 % bootstrap interval "
              "over streams):\n\n" + differences(records))
-    body += ("\nWhat recall costs, per question (asked both ways of the same memory, one after "
+    body += ("\nWhere recall looks, over the questions about shown objects:\n\n"
+             + aim(records))
+    body += ("\nWhat recall costs, per question (asked every way of the same memory, one after "
              "the other):\n\n" + costs(records))
     return finish(args.out, results, title, body)
 
