@@ -98,6 +98,7 @@ class StreamingMemory:
         # The second tier (None: evicted is gone); its writer thread ends with the memory.
         self.tiers = TierStore.for_config(self.config)
         if self.tiers is not None:
+            self.tiers.rotate = self.backend.rotary_shift
             weakref.finalize(self, self.tiers.close)  # a memory not closed still stops it
         self.reset()
 
@@ -235,7 +236,8 @@ class StreamingMemory:
 
         Each slot moves by one shift on all three rows (vision blocks keep their T/H/W layout, see
         `rope.compacted_positions`) and its cached key is re-rotated by that shift; values and the
-        linear-attention states hold no positions. A failure leaves the memory as it was."""
+        linear-attention states hold no positions; tiered chunks move with the slot after them
+        (`tier_shift`). A failure leaves the memory as it was."""
         positions, end = self.slots.compacted()
         shift = positions - self.slots.position
         moved = shift.any(0).nonzero()
@@ -244,6 +246,8 @@ class StreamingMemory:
         if moved.numel():
             self.backend.shift_keys(int(moved[0]), shift)
         freed = self.next_position - end
+        if self.tiers is not None:
+            self.tiers.shift_positions(tier_shift(self.slots.position, shift, -freed))
         self.slots, self.next_position = self.slots.moved(positions), end
         self.compactions += 1
         return freed
@@ -435,6 +439,22 @@ class StreamingMemory:
         the memory is not used after this."""
         if self.tiers is not None:
             self.tiers.close()
+
+
+def tier_shift(positions: torch.Tensor, shift: torch.Tensor, end_shift: int
+               ) -> Callable[[int], int]:
+    """How a compaction moves a tiered chunk that starts at T position x: as the first retained
+    slot after it (so it stays before that slot), by `end_shift` when none is; never below
+    position 0. positions, shift: (3, T) the retained slots' positions and their shifts (the
+    same on every row)."""
+    order = torch.argsort(positions[0], stable=True)
+    starts, shifts = positions[0][order], shift[0][order]
+
+    def shift_of(x: int) -> int:
+        after = int(torch.searchsorted(starts, x, right=True))
+        return max(int(shifts[after]) if after < len(starts) else end_shift, -x)
+
+    return shift_of
 
 
 def raise_rolled_back(kind: type[RuntimeError], what: str, failure: BaseException,

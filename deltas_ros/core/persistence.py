@@ -9,7 +9,8 @@ linear-attention layer, keys and values of every full-attention layer, slot time
 and 3-D positions), and in the header's `__metadata__` (str -> str) one key, "deltas_ros.memory",
 holding JSON:
 
-    format, format_version   "deltas_ros.memory", 3 (version 2 files, without poses, load too)
+    format, format_version   "deltas_ros.memory", 4 (versions 2 and 3, without poses or tiers,
+                             load too)
     created, created_unix    UTC ISO time and seconds since the epoch
     model                    {"name": model directory name (informative only),
                               "config_sha256": see model.config_sha256,
@@ -21,6 +22,10 @@ holding JSON:
                              chunk_stamps {chunk index: header stamp or null},
                              chunk_poses {chunk index: [frame_id, x, y, z, qx, qy, qz, qw] or
                              null} (version 3: the robot pose at the chunk's stamp)
+    tiers                    (a memory with a second tier) {"folder": the folder beside the
+                             file holding the tiered chunks, "chunks": [{chunk, file, sha256,
+                             tokens, time_s, shift}]}: see tier_saving.py; the files are
+                             checked against their sha256 on load
     extra                    the caller's JSON-serialisable dict
     sha256                   over the canonical JSON of everything above and every tensor's name,
                              dtype, shape and bytes in name order
@@ -29,8 +34,9 @@ holding JSON:
 
 Loading reads only safetensors and JSON: no pickle, nothing is executed. It refuses, with a
 MemoryFileError naming the reason, a file from another model or format version, with another
-memory configuration, truncated or tampered with, and then leaves the memory untouched: everything
-is checked before anything is assigned. In order: the safetensors header alone (at most
+memory configuration, truncated or tampered with, or with a tier file that is missing, altered or
+not this model's, and then leaves the memory untouched: everything is checked before anything is
+assigned. In order: the safetensors header alone (at most
 MAX_HEADER_BYTES; every declared tensor's name, dtype and shape must be the memory's own with at
 most budget_tokens slots, and its bytes inside the file, so a file declaring a huge tensor is
 refused before any tensor data is read); every metadata field's type and range; the checksum (and
@@ -48,6 +54,7 @@ import hmac
 import json
 import math
 import os
+import shutil
 import struct
 import tempfile
 import time
@@ -65,10 +72,13 @@ from .memory import MemoryState, StreamingMemory
 from .poses import Pose
 from .slot_table import MAX_CHUNKS
 from .state_check import check_tensor_names, expected_tensors
+from .tier_saving import check_tiers, malformed_tiers, remove_tier_folders, save_tiers
+from .tiers import TierStore
 
 FORMAT = "deltas_ros.memory"
-FORMAT_VERSION = 3  # 2: slots.arrival (slots may sit out of arrival order); 3: chunk_poses
-READABLE_VERSIONS = (2, 3)  # a version 2 file is a stream without poses
+# 2: slots.arrival (slots may sit out of arrival order); 3: chunk_poses; 4: tiers
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)  # a version 2 file is a stream without poses, 3 without tiers
 METADATA_KEY = "deltas_ros.memory"
 MAX_HEADER_BYTES = 16 << 20  # a memory file's header is a few KB of JSON plus the stamps
 # MemoryConfig fields a stored stream depends on; the others (answer length, ...) may change.
@@ -122,15 +132,17 @@ def save_memory(memory: StreamingMemory, path: str | Path, extra: dict | None = 
         "extra": dict(extra or {}),
     }
     # Raises for non-JSON extra: nothing written.
-    metadata["sha256"], signature = digests(metadata, tensors, key)
-    if signature is not None:
-        metadata["hmac"] = signature
-    header = {METADATA_KEY: json.dumps(metadata, allow_nan=False)}
-
+    json.dumps(metadata, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if (tiers := save_tiers(memory, path)) is not None:
+        metadata["tiers"] = tiers
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        metadata["sha256"], signature = digests(metadata, tensors, key)
+        if signature is not None:
+            metadata["hmac"] = signature
+        header = {METADATA_KEY: json.dumps(metadata, allow_nan=False)}
         os.chmod(temporary, 0o600)
         save_file(tensors, temporary, metadata=header)
         with open(temporary, "rb") as written:
@@ -138,8 +150,11 @@ def save_memory(memory: StreamingMemory, path: str | Path, extra: dict | None = 
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
+        if tiers is not None:
+            shutil.rmtree(path.parent / tiers["folder"], ignore_errors=True)
         raise
     _fsync_directory(path.parent)
+    remove_tier_folders(path, keep=None if tiers is None else tiers["folder"])
     return path
 
 
@@ -187,9 +202,17 @@ def load_memory(memory: StreamingMemory, path: str | Path, key: bytes | None = N
                      for c, p in stream.get("chunk_poses", {}).items()},
     )
     try:
-        memory.import_state(state)
+        tiered = check_tiers(memory, metadata.get("tiers"), path)
     except ValueError as error:
         raise MemoryFileError(f"{path}: {error}") from error
+    tiered = memory.tiers.linked(tiered) if memory.tiers is not None else []
+    try:
+        memory.import_state(state)
+    except ValueError as error:
+        TierStore.unlink(tiered)
+        raise MemoryFileError(f"{path}: {error}") from error
+    if memory.tiers is not None:
+        memory.tiers.adopt(tiered)
     return metadata
 
 
@@ -312,6 +335,8 @@ def _parse_metadata(text: Any, path: Path) -> dict:
         else:
             malformed += [f"chunk_poses[{c!r}]" for c, p in poses.items()
                           if not (c.isdigit() and int(c) < MAX_CHUNKS and _pose(p))]
+        if "tiers" in metadata and _counter(stream.get("chunks_seen")):
+            malformed += malformed_tiers(metadata["tiers"], stream["chunks_seen"])
     if malformed:
         raise MemoryFileError(f"{path} has malformed metadata: {', '.join(malformed)}")
     return metadata

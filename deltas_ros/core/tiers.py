@@ -13,11 +13,15 @@ under its budget by spilling its oldest entries to disk, and the disk tier under
 dropping: among the oldest quarter of the disk entries (by stream time), the lowest mean
 retention score goes first. When the writer falls behind, the oldest pending piece is dropped
 and counted; putting never blocks the chunk's path.
+
+A compaction of the GPU tier's positions (rope.py) moves every tiered chunk too
+(`shift_positions`): the shift is recorded and applied, with the keys' re-rotation, when the
+chunk is read. A saved memory links its tier's files (`export_files`) and a loaded one adopts
+them (`adopt`; tier_saving.py checks them first).
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -25,53 +29,26 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from .config import MemoryConfig
-from .poses import Pose
 from .recall import key_summary
 from .results import TieredChunk
-from .slot_table import SlotTable
+from .tier_piece import (
+    Rotate,
+    TierPiece,
+    evicted_pieces,
+    link_or_copy,
+    piece_path,
+    read_piece,
+    write_piece,
+)
+
+__all__ = ["DISK", "HOST", "TierIndex", "TierPiece", "TierStats", "TierStore", "evicted_pieces"]
 
 HOST, DISK = "host", "disk"
 MB = 1 << 20
 PENDING_PIECES = 64  # pieces waiting for the writer at most (the oldest is dropped beyond it)
 OLDEST_PART = 0.25  # share of the disk tier (oldest by time) the drop rule chooses within
-
-
-@dataclass(frozen=True)
-class TierPiece:
-    """Slots of one chunk leaving the GPU tier.
-
-    keys, values: (L, H_kv, n, D) at the L full-attention layers, as cached (keys rotated at
-    `position`); position: (3, n); score: (n,) the retention scores they had.
-    """
-
-    chunk: int
-    time_s: float
-    keys: torch.Tensor
-    values: torch.Tensor
-    position: torch.Tensor
-    score: torch.Tensor
-    stamp: float | None = None
-    pose: Pose | None = None
-
-    @property
-    def tokens(self) -> int:
-        return self.keys.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.keys, self.values, self.position, self.score))
-
-    def merged(self, other: TierPiece) -> TierPiece:
-        """This chunk's slots followed by `other`'s (a later eviction of the same chunk)."""
-        return replace(self, keys=torch.cat([self.keys, other.keys], 2),
-                       values=torch.cat([self.values, other.values], 2),
-                       position=torch.cat([self.position, other.position], 1),
-                       score=torch.cat([self.score, other.score]))
 
 
 @dataclass
@@ -84,9 +61,19 @@ class _Entry:
     nbytes: int
     mean_score: float
     summary: torch.Tensor  # recall.key_summary of its keys, e.g. (L, H_kv, D) float32
+    first_position: int  # its first token's T position, as it would be read now
     tier: str = HOST
-    piece: TierPiece | None = None
+    piece: TierPiece | None = None  # without a pending shift (placed pieces are shifted)
     path: Path | None = None
+    sha256: str = ""  # of the disk file's bytes
+    shift: int = 0  # compactions since it was placed: applied when it is read (`at_shift`)
+
+    @classmethod
+    def of(cls, piece: TierPiece, summary: torch.Tensor, shift: int = 0) -> _Entry:
+        """A host entry for `piece` (no pending shift) that reads `shift` positions later."""
+        return cls(piece.chunk, piece.time_s, piece.tokens, piece.nbytes,
+                   float(piece.score.float().mean()), summary,
+                   int(piece.position[0].min()) + shift, HOST, piece, shift=shift)
 
 
 @dataclass(frozen=True)
@@ -128,7 +115,7 @@ class TierStore:
         # A store starts empty: an earlier run's files would count for nothing and fill the
         # disk past its budget.
         if directory is not None and directory.is_dir():
-            for stale in directory.glob("chunk-*.safetensors"):
+            for stale in [*directory.glob("chunk-*.safetensors"), *directory.glob("chunk-*.tmp")]:
                 stale.unlink()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._pending: deque[TierPiece] = deque()
@@ -137,8 +124,10 @@ class TierStore:
         self._busy = False
         self._closed = False
         self.stats = TierStats()
-        # keys (L, H_kv, n, D) -> the chunk's key summary that recall scores (recall.py)
+        # keys (L, H_kv, n, D) -> the chunk's key summary that recall scores (recall.py): key
+        # vectors (..., D) or their means, so a compaction can re-rotate it
         self.summarize: Callable[[torch.Tensor], torch.Tensor] = key_summary
+        self.rotate: Rotate | None = None  # the model's key rotation (compactions need it)
         self._thread = threading.Thread(target=self._write_loop, name="tier-writer", daemon=True)
         self._thread.start()
 
@@ -187,11 +176,97 @@ class TierStore:
             return [TieredChunk(e.chunk, e.time_s, e.tokens, e.tier) for e in entries]
 
     def load(self, chunks: list[int]) -> list[TierPiece]:
-        """The pieces of `chunks`, from host memory or read back from disk (a file that cannot
-        be read raises, naming it)."""
+        """The pieces of `chunks` at their current positions, from host memory or read back
+        from disk (a file that cannot be read raises, naming it)."""
         with self._lock:
             entries = [self._entries[c] for c in chunks]
-        return [e.piece if e.piece is not None else _read(e) for e in entries]
+        return [self._read(e) for e in entries]
+
+    def shift_positions(self, shift_of: Callable[[int], int]) -> None:
+        """A compaction moved the GPU tier's positions: every tiered chunk (and pending piece)
+        moves by shift_of(its first T position), read lazily; summaries re-rotate now."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._busy)
+            for entry in self._entries.values():
+                if shift := shift_of(entry.first_position):
+                    entry.shift += shift
+                    entry.first_position += shift
+                    entry.summary = _rotated(self.rotate, entry.summary, shift)
+            self._pending = deque(replace(p, shift=p.shift + shift_of(p.first_position))
+                                  for p in self._pending)
+
+    def export_files(self, directory: Path, timeout: float) -> list[dict]:
+        """Every tiered chunk as a file in `directory` (a disk tier's file is linked, not
+        copied; a host tier's is written) and what a memory file records of each: chunk, file
+        name, sha256, tokens, time_s and the pending shift. RuntimeError when the writer does
+        not place what is queued within `timeout` s."""
+        if not self.flush(timeout):
+            raise RuntimeError(f"the tier writer did not finish within {timeout} s")
+        directory.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            entries = sorted(self._entries.values(), key=lambda e: (e.time_s, e.chunk))
+        records = []
+        for entry in entries:
+            if entry.piece is not None:
+                path, sha256 = write_piece(directory, entry.piece)
+            else:
+                path, sha256 = piece_path(directory, entry.chunk), entry.sha256
+                link_or_copy(entry.path, path)
+            records.append({"chunk": entry.chunk, "file": path.name, "sha256": sha256,
+                            "tokens": entry.tokens, "time_s": entry.time_s,
+                            "shift": entry.shift})
+        return records
+
+    def loaded_entry(self, piece: TierPiece, path: Path, sha256: str) -> _Entry:
+        """What `adopt` takes for a saved chunk's checked file (piece: its contents with the
+        shift recorded beside it): its summary now, its tensors only where no disk tier will
+        link the file."""
+        entry = _Entry.of(replace(piece, shift=0),
+                          _rotated(self.rotate, self.summarize(piece.keys), piece.shift),
+                          piece.shift)
+        if self.disk_bytes:
+            entry.piece, entry.path, entry.tier, entry.sha256 = None, path, DISK, sha256
+        return entry
+
+    def linked(self, entries: list[_Entry]) -> list[_Entry]:
+        """A loaded memory's `entries` (`loaded_entry`) with their files linked into the disk
+        tier under new names, for `adopt`; the store is unchanged (on failure too)."""
+        done: list[_Entry] = []
+        try:
+            for entry in entries:
+                if entry.path is not None:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                    target = piece_path(self.directory, entry.chunk)
+                    link_or_copy(entry.path, target)
+                    entry = replace(entry, path=target)
+                done.append(entry)
+        except BaseException:
+            self.unlink(done)
+            raise
+        return done
+
+    @staticmethod
+    def unlink(entries: list[_Entry]) -> None:
+        """Delete the files of `linked` entries that were not adopted."""
+        for entry in entries:
+            if entry.path is not None:
+                entry.path.unlink(missing_ok=True)
+
+    def adopt(self, entries: list[_Entry]) -> None:
+        """Replace every tiered chunk with `linked` entries of a loaded memory; then the
+        budgets apply (what is over them is dropped and counted)."""
+        self.clear()
+        with self._lock:
+            self._busy = True  # the writer keeps off while the entries change
+            for entry in entries:
+                self._entries[entry.chunk] = entry
+                self._count(entry, +1, entry.tier)
+        try:
+            self._spill()
+        finally:
+            with self._lock:
+                self._busy = False
+                self._lock.notify_all()
 
     def clear(self) -> None:
         """Forget every tiered chunk and pending piece, and delete the disk tier's files."""
@@ -237,20 +312,23 @@ class TierStore:
 
     def _place(self, piece: TierPiece) -> None:
         """Put a piece in the host tier, merged with what its chunk already has in a tier. Only
-        this thread adds or removes entries (`clear` waits for it), so it reads them unlocked."""
-        entry = self._entries.get(piece.chunk)
-        whole = piece
-        if entry is not None:
-            whole = (entry.piece if entry.piece is not None else _read(entry)).merged(piece)
+        this thread adds or removes entries while it is busy (the others wait for it), so it
+        reads them unlocked."""
+        whole = piece.at_shift(self.rotate)
+        if (entry := self._entries.get(piece.chunk)) is not None:
+            whole = self._read(entry).merged(whole)
         summary = self.summarize(whole.keys)
         with self._lock:
             if entry is not None:
                 self._forget(entry)
-            entry = _Entry(piece.chunk, whole.time_s, whole.tokens, whole.nbytes,
-                           float(whole.score.float().mean()), summary, HOST, whole)
-            self._entries[piece.chunk] = entry
+            entry = self._entries[piece.chunk] = _Entry.of(whole, summary)
             self._count(entry, +1, HOST)
         self._spill()
+
+    def _read(self, entry: _Entry) -> TierPiece:
+        """The entry's piece at its current positions (its file read back when on disk)."""
+        piece = entry.piece if entry.piece is not None else read_piece(entry.path)
+        return replace(piece, shift=entry.shift).at_shift(self.rotate)
 
     def _spill(self) -> None:
         """Host over budget: the oldest host entries go to disk (or are dropped without one);
@@ -263,10 +341,10 @@ class TierStore:
                             key=lambda e: (e.time_s, e.chunk))
                 piece = entry.piece
             if self.disk_bytes and entry.nbytes <= self.disk_bytes:
-                path = _write(self.directory, piece)
+                path, sha256 = write_piece(self.directory, piece)
                 with self._lock:
                     self._count(entry, -1, HOST)
-                    entry.piece, entry.path, entry.tier = None, path, DISK
+                    entry.piece, entry.path, entry.tier, entry.sha256 = None, path, DISK, sha256
                     self._count(entry, +1, DISK)
             else:
                 with self._lock:
@@ -300,42 +378,14 @@ class TierStore:
             self.stats.disk_bytes += sign * entry.nbytes
 
 
-def evicted_pieces(table: SlotTable, slots: torch.Tensor, keys: torch.Tensor,
-                   values: torch.Tensor) -> list[TierPiece]:
-    """The pieces of the held chunks among `slots` (n,) of `table`, one per chunk: keys and
-    values (L, H_kv, n, D) are those slots' (Backend.gather_kv), in the same order."""
-    chunks = table.chunk[slots]
-    pieces = []
-    for chunk in chunks.unique().tolist():
-        rows = (chunks == chunk).nonzero().squeeze(1)
-        at = slots[rows]
-        pieces.append(TierPiece(chunk, table.chunk_time(chunk), keys[:, :, rows],
-                                values[:, :, rows], table.position[:, at], table.score[at],
-                                table.stamp(chunk), table.pose(chunk)))
-    return pieces
-
-
-def _write(directory: Path, piece: TierPiece) -> Path:
-    """One chunk's file: its tensors in safetensors, its time, stamp and pose in the header."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"chunk-{piece.chunk:08d}.safetensors"
-    pose = None if piece.pose is None else [piece.pose.frame_id, list(piece.pose.position),
-                                             list(piece.pose.orientation)]
-    meta = {"chunk": piece.chunk, "time_s": piece.time_s, "stamp": piece.stamp, "pose": pose}
-    save_file({"keys": piece.keys.contiguous(), "values": piece.values.contiguous(),
-               "position": piece.position.contiguous(), "score": piece.score.contiguous()},
-              str(path), metadata={"piece": json.dumps(meta)})
-    return path
-
-
-def _read(entry: _Entry) -> TierPiece:
-    try:
-        with safe_open(str(entry.path), "pt") as handle:
-            meta = json.loads(handle.metadata()["piece"])
-        tensors = load_file(str(entry.path))
-        pose = None if meta["pose"] is None else Pose(meta["pose"][0], tuple(meta["pose"][1]),
-                                                       tuple(meta["pose"][2]))
-        return TierPiece(meta["chunk"], meta["time_s"], tensors["keys"], tensors["values"],
-                         tensors["position"], tensors["score"], meta["stamp"], pose)
-    except Exception as error:
-        raise RuntimeError(f"tier file {entry.path} cannot be read: {error}") from error
+def _rotated(rotate: Rotate | None, summary: torch.Tensor, shift: int) -> torch.Tensor:
+    """A key summary (L, H_kv, ..., D) as the keys it summarises would be `shift` positions
+    later (a rotation is linear, so a mean of keys rotates as they do)."""
+    if not shift:
+        return summary
+    if rotate is None:
+        raise RuntimeError("a compaction of tiered chunks needs the model's key rotation")
+    layers, heads, dim = summary.shape[0], summary.shape[1], summary.shape[-1]
+    flat = summary.reshape(layers, heads, -1, dim)
+    moved = rotate(flat, torch.full((3, flat.shape[2]), shift, dtype=torch.long))
+    return moved.reshape(summary.shape)
