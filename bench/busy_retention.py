@@ -71,17 +71,27 @@ def busy_streams(args: argparse.Namespace, probe: StreamingMemory,
     """(seconds, seed, chunks, events, tokens with the chat prefix) per held-out busy stream of
     --objects objects (--hour, where a benchmark has it: the hour world's, per 5-minute part),
     for each --seconds length and --streams seeds from --first-seed."""
-    world = HOUR if getattr(args, "hour", False) else BUSY
-    options = replace(world, objects=(args.objects, args.objects))
     for seconds in args.seconds:
         for seed in range(args.first_seed, args.first_seed + args.streams):
-            if seed >= VALIDATION_SEEDS:
-                raise ValueError("evaluation seeds must stay below the validation seeds")
-            scene = SceneStream(seconds, args.width, args.height, seed, options)
+            scene = held_out_scene(args, seconds, seed)
             chunks = sampled_chunks(scene)
-            tokens = probe.kv_tokens + sum(probe.builder.build(f, t, 0).num_tokens
-                                           for f, t in chunks)
+            tokens = probe.kv_tokens + sum(chunk_tokens(probe, chunks))
             yield seconds, seed, chunks, scene.events(), tokens
+
+
+def held_out_scene(args: argparse.Namespace, seconds: int, seed: int) -> SceneStream:
+    """The held-out busy stream of this length and seed: --objects objects (--hour, where a
+    benchmark has it: the hour world's, per 5-minute part) in --width x --height frames."""
+    if seed >= VALIDATION_SEEDS:
+        raise ValueError("evaluation seeds must stay below the validation seeds")
+    world = HOUR if getattr(args, "hour", False) else BUSY
+    options = replace(world, objects=(args.objects, args.objects))
+    return SceneStream(seconds, args.width, args.height, seed, options)
+
+
+def chunk_tokens(probe: StreamingMemory, chunks: list) -> list[int]:
+    """The tokens each chunk brings into a memory of probe's model and pixel budget."""
+    return [probe.builder.build(f, t, 0).num_tokens for f, t in chunks]
 
 
 def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
@@ -230,11 +240,14 @@ def paired(records: list[dict], policy: str, against: str, seconds: int, fractio
     return diff, float(np.percentile(spread, 2.5)), float(np.percentile(spread, 97.5))
 
 
-def paired_report(records: list[dict]) -> str:
+def paired_report(records: list[dict],
+                  pairs: tuple[tuple[str, str], ...] = PAIRS) -> str:
+    """A row per stream length and budget, a column per (policy, against) pair that both ran
+    (paired_row)."""
     lengths = sorted({r["seconds"] for r in records})
     budgets = sorted({float(r["condition"].split("@")[1]) for r in records
                       if "@" in r["condition"]})
-    pairs = [(a, b) for a, b in PAIRS
+    pairs = [(a, b) for a, b in pairs
              if any(r["condition"].startswith(f"{a}@") for r in records)
              and any(r["condition"].startswith(f"{b}@") for r in records)]
     rows = [paired_row(records, pairs, seconds, fraction)
