@@ -94,10 +94,17 @@ def chunk_tokens(probe: StreamingMemory, chunks: list) -> list[int]:
     return [probe.builder.build(f, t, 0).num_tokens for f, t in chunks]
 
 
-def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
+def probe_memory(args: argparse.Namespace, loaded: LoadedModel,
+                 ) -> tuple[int, StreamingMemory, int]:
+    """(the resolved pixel budget, a memory of it that counts chunk tokens, the sinks: its
+    chat prefix, kept whatever the budget)."""
     pixel_budget = resolve_pixel_budget(args.pixel_budget, loaded.path)
     probe = StreamingMemory(loaded, MemoryConfig(pixel_budget=pixel_budget))
-    sinks = probe.kv_tokens  # the chat prefix: kept whatever the budget
+    return pixel_budget, probe, probe.kv_tokens
+
+
+def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
+    pixel_budget, probe, sinks = probe_memory(args, loaded)
     with records_path.open("a") as out:
         for seconds, seed, chunks, events, tokens in busy_streams(args, probe):
             qas = [qa for kind, qa in busy_questions(events, seed) if kind.startswith("seen")]
@@ -299,9 +306,15 @@ def plot(table: dict[str, Any], out: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel('"Did you see ...?" % correct')
     axes[0][-1].legend(fontsize=7, loc="lower right", ncol=2)
+    return save_figure(fig, out / "busy_retention.png")
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay the figure out, write it to path (its folder made) and free it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "busy_retention.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltas_ros.core.loader import LoadedModel, resolve_pixel_budget
+from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES
 from deltas_ros.training.questions import is_correct
@@ -62,7 +62,9 @@ from .busy_retention import (
     order,
     paired_report,
     position,
+    probe_memory,
     report,
+    save_figure,
     verdicts,
 )
 from .common import add_answers_args, finish, md_table, memory_config, run_answers
@@ -124,9 +126,7 @@ def minute_tokens(chunks: list, counts: list[int], seconds: int,
 
 
 def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
-    pixel_budget = resolve_pixel_budget(args.pixel_budget, loaded.path)
-    probe = StreamingMemory(loaded, MemoryConfig(pixel_budget=pixel_budget))
-    sinks = probe.kv_tokens  # the chat prefix: kept whatever the budget
+    pixel_budget, probe, sinks = probe_memory(args, loaded)
     with records_path.open("a") as out:
         for index, (seconds, seed) in enumerate(streams(args)):
             policies = my_policies(args, index)
@@ -255,12 +255,7 @@ def plot(table: dict[str, Any], out: Path) -> Path:
             ax.grid(alpha=0.3)
         row[0].set_ylabel("% of the minute's tokens held at the end")
     axes[0][-1].legend(fontsize=7, loc="upper left", ncol=2)
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "paper_regime.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "paper_regime.png")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
