@@ -229,15 +229,18 @@ def retention_report(table: dict[str, Any]) -> str:
                                      for s in lengths], rows)
 
 
-def plot(table: dict[str, Any], out: Path) -> Path:
+def plot(table: dict[str, Any], out: Path) -> str:
     """% of each stream minute's tokens held at the end against the minute: a panel per
-    stream length (rows) and budget (columns), a line per policy."""
+    stream length (rows) and budget (columns), a line per policy; its markdown ("" without a
+    budget to draw)."""
+    lengths = sorted({int(s) for per in table.values() for s in per})
+    fractions = sorted({c.split("@")[1] for c in table if "@" in c}, key=float)
+    if not fractions:
+        return ""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = sorted({int(s) for per in table.values() for s in per})
-    fractions = sorted({c.split("@")[1] for c in table if "@" in c}, key=float)
     policies = sorted({c.split("@")[0] for c in table if "@" in c})
     fig, axes = plt.subplots(len(lengths), len(fractions), squeeze=False, sharey="row",
                              figsize=(5 * len(fractions), 3.6 * len(lengths)))
@@ -248,14 +251,16 @@ def plot(table: dict[str, Any], out: Path) -> Path:
                 if sums:
                     ax.plot([m + 0.5 for m in range(len(sums[0]))],
                             [100 * h / max(b, 1) for h, b in zip(*sums)],
-                            color=plt.cm.tab10(i % 10), label=policy,
-                            linewidth=2.2 if policy == AGAINST else 1.1)
+                            color=plt.cm.tab10(i % 10), label=policy, marker="o",
+                            markersize=2, linewidth=2.2 if policy == AGAINST else 1.1)
             ax.set_title(f"{minutes(seconds)} streams, budget {100 * float(fraction):g} %")
             ax.set_xlabel("stream minute")
+            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
         row[0].set_ylabel("% of the minute's tokens held at the end")
     axes[0][-1].legend(fontsize=7, loc="upper left", ncol=2)
-    return save_figure(fig, out / "paper_regime.png")
+    path = save_figure(fig, out / "paper_regime.png")
+    return f"\n![retention by stream time]({path.name})\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -294,8 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "(95 % bootstrap interval over streams):\n\n" + paired_report(questions, pairs)
             + "\nRetention by stream time: % of the tokens of the early, middle and late third "
             "of the stream still held when the questions are asked:\n\n"
-            + retention_report(kept)
-            + f"\n![retention by stream time]({plot(kept, args.out).name})\n")
+            + retention_report(kept) + plot(kept, args.out))
     return finish(args.out, results, title, body)
 
 

@@ -69,3 +69,9 @@ def test_two_parts_and_their_merge_report_every_cell(tmp_path):
     assert "| stream | budget | recency - surprise |" in report
     assert "![retention by stream time](paper_regime.png)" in report
     assert (tmp_path / "paper_regime.png").stat().st_size > 10_000
+
+
+def test_a_run_of_full_memory_alone_draws_no_plot(tmp_path):
+    table = {"full": {"60": [[10], [10]]}}
+    assert paper_regime.plot(table, tmp_path) == ""
+    assert paper_regime.retention_report(table).count("\n") == 2  # the header alone
