@@ -12,8 +12,8 @@ for every chunk at once. Summary kinds (`SUMMARY_KINDS`, made by `summarizer`):
 - `all-keys`: every key, scored the same way: what scoring token by token could reach, at the
   cost of keeping every key beside the index.
 
-`key_summary` is the kind the store keeps by default. recall_reference.py writes each out one
-element at a time.
+`key_summary` is the kind the store keeps by default: `top-norm`. recall_reference.py writes
+each out one element at a time.
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ def summarizer(kind: str, chunk_tokens: int) -> Callable[[torch.Tensor], torch.T
 
 
 def key_summary(keys: torch.Tensor) -> torch.Tensor:
-    """The summary a tier store keeps by default: `mean_key`, (L, H_kv, n, D) -> (L, H_kv, D)."""
-    return mean_key(keys)
+    """The summary a tier store keeps by default: `top_norm_keys`, (L, H_kv, n, D) ->
+    (L, H_kv, REPRESENTATIVES, D). On the busy streams it recalls the asked object where the
+    mean key recalls none (docs/evaluation.md, "Recall from the second tier")."""
+    return top_norm_keys(keys)
 
 
 def recall_scores(queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:

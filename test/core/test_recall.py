@@ -54,9 +54,9 @@ def test_every_kind_summarizes_chunks_of_any_size_to_one_shape():
         summarizer("median", 9)
 
 
-def test_the_store_keeps_the_mean_key_by_default():
+def test_the_store_keeps_the_keys_of_largest_norm_by_default():
     keys = keys_of(5, 3)
-    assert torch.equal(key_summary(keys), mean_key(keys))
+    assert torch.equal(key_summary(keys), top_norm_keys(keys))
 
 
 @settings(max_examples=30, deadline=None)
