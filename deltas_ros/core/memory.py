@@ -53,7 +53,7 @@ from .results import Answer, ChunkResult, MemoryState, MemoryStats
 from .signals import layer_mean
 from .slot_table import PREFIX_CHUNK, SlotTable
 from .state_check import check_state
-from .tiers import DISK, TierPiece, TierStore, evicted_pieces
+from .tiers import DISK, Evicted, TierPiece, TierStore
 
 if TYPE_CHECKING:
     from .frames import SampledChunk
@@ -210,13 +210,12 @@ class StreamingMemory:
 
     def _to_tiers(self, kept: torch.Tensor) -> None:
         """Queue the held chunks' slots an eviction lets go (all but `kept`) for the second
-        tier, as cached (the writer moves them off this thread)."""
+        tier, as cached (the writer splits them by chunk and moves them off this thread)."""
         gone = self.slots.chunk >= 0
         gone[kept] = False
         if gone.any():
             slots = gone.nonzero().squeeze(1)
-            for piece in evicted_pieces(self.slots, slots, *self.backend.gather_kv(slots)):
-                self.tiers.put(piece)
+            self.tiers.put(Evicted(self.slots, slots, *self.backend.gather_kv(slots)))
 
     def slots_to_keep(self) -> torch.Tensor | None:
         """The slots an eviction now keeps (policy.select_keep over the slots read in arrival

@@ -95,6 +95,20 @@ def evicted_pieces(table: SlotTable, slots: torch.Tensor, keys: torch.Tensor,
     return pieces
 
 
+@dataclass(frozen=True)
+class Evicted:
+    """One eviction's slots as gathered: split into pieces (`evicted_pieces`) by the tier's
+    writer, off the chunk's path. table: the slot table before the eviction (immutable)."""
+
+    table: SlotTable
+    slots: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def pieces(self) -> list[TierPiece]:
+        return evicted_pieces(self.table, self.slots, self.keys, self.values)
+
+
 def write_piece(directory: Path, piece: TierPiece) -> tuple[Path, str]:
     """Write `piece` (without its pending shift: the caller keeps that) to a new file in
     `directory`; (its path, the sha256 of its bytes). The file is complete before its name

@@ -11,7 +11,7 @@ their positions, scores, stream time, stamp and pose. Pieces of one chunk (a per
 evicts a chunk over several evictions) merge into one entry. The writer keeps the host tier
 under its budget by spilling its oldest entries to disk, and the disk tier under its own by
 dropping: among the oldest quarter of the disk entries (by stream time), the lowest mean
-retention score goes first. When the writer falls behind, the oldest pending piece is dropped
+retention score goes first. When the writer falls behind, the oldest pending eviction is dropped
 and counted; putting never blocks the chunk's path.
 
 A compaction of the GPU tier's positions (rope.py) moves every tiered chunk too
@@ -34,6 +34,7 @@ from .config import MemoryConfig
 from .recall import key_summary
 from .results import TieredChunk
 from .tier_piece import (
+    Evicted,
     Rotate,
     TierPiece,
     evicted_pieces,
@@ -43,11 +44,12 @@ from .tier_piece import (
     write_piece,
 )
 
-__all__ = ["DISK", "HOST", "TierIndex", "TierPiece", "TierStats", "TierStore", "evicted_pieces"]
+__all__ = ["DISK", "HOST", "Evicted", "TierIndex", "TierPiece", "TierStats", "TierStore",
+           "evicted_pieces"]
 
 HOST, DISK = "host", "disk"
 MB = 1 << 20
-PENDING_PIECES = 64  # pieces waiting for the writer at most (the oldest is dropped beyond it)
+PENDING_PIECES = 64  # items (evictions) waiting for the writer at most (the oldest dropped beyond)
 OLDEST_PART = 0.25  # share of the disk tier (oldest by time) the drop rule chooses within
 
 
@@ -58,7 +60,7 @@ class _Entry:
     chunk: int
     time_s: float
     tokens: int
-    nbytes: int
+    nbytes: int  # its tensors' bytes in host memory; its file's on disk
     mean_score: float
     summary: torch.Tensor  # recall.key_summary of its keys, e.g. (L, H_kv, D) float32
     first_position: int  # its first token's T position, as it would be read now
@@ -118,7 +120,7 @@ class TierStore:
             for stale in [*directory.glob("chunk-*.safetensors"), *directory.glob("chunk-*.tmp")]:
                 stale.unlink()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._pending: deque[TierPiece] = deque()
+        self._pending: deque[TierPiece | Evicted] = deque()
         self._limit = pending
         self._lock = threading.Condition()
         self._busy = False
@@ -140,16 +142,15 @@ class TierStore:
                    Path(config.tier_dir) if config.tier_dir else None)
 
     # ------------------------------------------------------------------------ the chunk's side
-    def put(self, piece: TierPiece) -> None:
-        """Queue a piece for the writer; never blocks. Beyond `pending` pieces the oldest
-        waiting one is dropped and counted."""
+    def put(self, item: TierPiece | Evicted) -> None:
+        """Queue a piece, or an eviction's slots, for the writer; never blocks. Beyond `pending`
+        items the oldest waiting one is dropped and its pieces counted."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the tier store is closed")
             if len(self._pending) >= self._limit:
-                self._pending.popleft()
-                self.stats.dropped_pieces += 1
-            self._pending.append(piece)
+                self.stats.dropped_pieces += _piece_count(self._pending.popleft())
+            self._pending.append(item)
             self._lock.notify_all()
 
     def flush(self, timeout: float) -> bool:
@@ -193,7 +194,7 @@ class TierStore:
                     entry.first_position += shift
                     entry.summary = _rotated(self.rotate, entry.summary, shift)
             self._pending = deque(replace(p, shift=p.shift + shift_of(p.first_position))
-                                  for p in self._pending)
+                                  for item in self._pending for p in _pieces(item))
 
     def export_files(self, directory: Path, timeout: float) -> list[dict]:
         """Every tiered chunk as a file in `directory` (a disk tier's file is linked, not
@@ -226,6 +227,7 @@ class TierStore:
                           piece.shift)
         if self.disk_bytes:
             entry.piece, entry.path, entry.tier, entry.sha256 = None, path, DISK, sha256
+            entry.nbytes = path.stat().st_size
         return entry
 
     def linked(self, entries: list[_Entry]) -> list[_Entry]:
@@ -297,10 +299,11 @@ class TierStore:
                 self._lock.wait_for(lambda: self._pending or self._closed)
                 if self._closed:
                     return
-                piece = self._pending.popleft()
+                item = self._pending.popleft()
                 self._busy = True
             try:
-                self._place(piece)
+                for piece in _pieces(item):
+                    self._place(piece)
             except Exception as error:  # a disk full or unwritable: counted, the loop goes on
                 with self._lock:
                     self.stats.errors = [*self.stats.errors[-9:], f"{type(error).__name__}: "
@@ -345,6 +348,7 @@ class TierStore:
                 with self._lock:
                     self._count(entry, -1, HOST)
                     entry.piece, entry.path, entry.tier, entry.sha256 = None, path, DISK, sha256
+                    entry.nbytes = path.stat().st_size  # the disk budget counts whole files
                     self._count(entry, +1, DISK)
             else:
                 with self._lock:
@@ -389,3 +393,11 @@ def _rotated(rotate: Rotate | None, summary: torch.Tensor, shift: int) -> torch.
     flat = summary.reshape(layers, heads, -1, dim)
     moved = rotate(flat, torch.full((3, flat.shape[2]), shift, dtype=torch.long))
     return moved.reshape(summary.shape)
+
+
+def _pieces(item: TierPiece | Evicted) -> list[TierPiece]:
+    return item.pieces() if isinstance(item, Evicted) else [item]
+
+
+def _piece_count(item: TierPiece | Evicted) -> int:
+    return item.table.chunk[item.slots].unique().numel() if isinstance(item, Evicted) else 1
