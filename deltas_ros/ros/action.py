@@ -1,5 +1,6 @@
 """The ~/ask action: a question answered between chunks, its answer streamed as feedback token by
-token, cancellable within one token. The memory is bit-identical afterwards in every outcome
+token (each message with what the question recalled from the second tier), cancellable within
+one token. The memory is bit-identical afterwards in every outcome
 (StreamingMemory.ask rolls back). A goal whose callback raises is aborted (or rejected) with the
 reason, counted in the node's `requests_failed`.
 
@@ -74,13 +75,20 @@ class AskActionServer:
         result.message = self.node.no_session() if session is None else ""
         answer = None
         if not result.message:
+            recalled = AskMemory.Feedback()  # the recall counts every feedback message carries
+
+            def on_recall(chunks: int, from_disk: int) -> None:
+                recalled.recalled_chunks, recalled.recalled_from_disk = chunks, from_disk
+
             def on_token(text: str, tokens: int, reasoning: str) -> None:
-                goal_handle.publish_feedback(AskMemory.Feedback(answer=text, tokens=tokens,
-                                                                reasoning=reasoning))
+                goal_handle.publish_feedback(AskMemory.Feedback(
+                    answer=text, tokens=tokens, reasoning=reasoning,
+                    recalled_chunks=recalled.recalled_chunks,
+                    recalled_from_disk=recalled.recalled_from_disk))
 
             try:
                 answer = session.ask(
-                    goal.question, goal.max_new_tokens, on_token=on_token,
+                    goal.question, goal.max_new_tokens, on_token=on_token, on_recall=on_recall,
                     cancelled=lambda: goal_handle.is_cancel_requested,
                     **window(goal.since, goal.until))
             except (RuntimeError, TimeoutError) as error:

@@ -126,7 +126,8 @@ def robot_dict(answer: RobotAnswer) -> dict:
                                         response.evidence_poses)],
         "memory_span": [response.memory_span_start, response.memory_span_end],
         "latency_ms": response.latency_ms, "recalled_chunks": response.recalled_chunks,
-        "recalled_from_disk": response.recalled_from_disk}
+        "recalled_from_disk": response.recalled_from_disk,
+        "recalled_times": list(response.recalled_times)}
 
 
 def format_fleet(answers: list[RobotAnswer]) -> str:

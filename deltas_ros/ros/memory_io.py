@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ from sensor_msgs.msg import Image
 from ..core.decode import message_stamp
 from ..core.memory import Answer, ChunkResult
 from ..core.poses import Pose, PoseBuffer
-from ..core.results import HeldChunk
+from ..core.results import HeldChunk, TieredChunk
 from ..msg import MemoryChunks
 from ..runtime.image import MemoryImage
 from .markers import MemoryMarkers
@@ -74,6 +74,7 @@ def fill_answer(target: Any, answer: Answer) -> None:
     target.memory_span_start, target.memory_span_end = answer.span_start, answer.span_end
     target.recalled_chunks = answer.recalled_chunks
     target.recalled_from_disk = answer.recalled_from_disk
+    target.recalled_times = [float(t) for t in answer.recalled_times]
 
 
 class PoseInput:
@@ -123,11 +124,11 @@ class PoseInput:
 
 class MemoryView:
     """What the memory holds, for a person looking: ~/memory_image, the strip of retained
-    chunks, ~/memory_chunks, every held chunk with its tokens and bucket, and ~/memory_markers,
-    where they were seen and the latest answer's evidence (all transient local), refreshed after
-    every chunk: a full memory evicts on every chunk anyway, so this is the steady state's cost
-    from the first chunk on. `chunk_done` runs on the worker thread, `answered` on executor
-    threads."""
+    chunks, ~/memory_chunks, every held chunk with its tokens and bucket and every chunk of the
+    second tier with its tier, and ~/memory_markers, where they were seen and the latest
+    answer's evidence (all transient local), refreshed after every chunk: a full memory evicts
+    on every chunk anyway, so this is the steady state's cost from the first chunk on.
+    `chunk_done` runs on the worker thread, `answered` on executor threads."""
 
     def __init__(self, node: Node, thumbnails: int) -> None:
         qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
@@ -139,14 +140,14 @@ class MemoryView:
         self.logger = node.get_logger()
 
     def chunk_done(self, result: ChunkResult, frame: np.ndarray, held: list[HeldChunk],
-                   frame_id: str) -> None:
+                   frame_id: str, tiered: Sequence[TieredChunk] = ()) -> None:
         if result.index != self.last_index + 1:  # a reset or a load: another memory's chunks
             self.strip = MemoryImage(self.strip.max_thumbnails)
         self.strip.add(result.index, result.time, result.drift, frame)
         self.last_index = result.index
         self.strip.retain(h.index for h in held)
         self.image_pub.publish(image_message(self.strip.render(), result.stamp, frame_id))
-        self.chunks_pub.publish(chunks_message(held, result.stamp, frame_id))
+        self.chunks_pub.publish(chunks_message(held, result.stamp, frame_id, tiered))
         self.markers.chunks(held)
 
     def answered(self, answer: Answer) -> None:
@@ -159,10 +160,17 @@ class MemoryView:
                                 f"{type(error).__name__}: {error}", throttle_duration_sec=5.0)
 
 
-def chunks_message(held: list[HeldChunk], stamp: float | None, frame_id: str) -> MemoryChunks:
-    """A MemoryChunks of the held chunks, field arrays in step."""
+TIERS = {"host": MemoryChunks.TIER_HOST, "disk": MemoryChunks.TIER_DISK}
+
+
+def chunks_message(held: list[HeldChunk], stamp: float | None, frame_id: str,
+                   tiered: Sequence[TieredChunk] = ()) -> MemoryChunks:
+    """A MemoryChunks of the held chunks and the second tier's, each list's arrays in step."""
     msg = MemoryChunks(stream_time=[h.time for h in held], tokens=[h.tokens for h in held],
-                       bucket=[h.bucket for h in held])
+                       bucket=[h.bucket for h in held],
+                       tiered_time=[float(t.time) for t in tiered],
+                       tiered_tokens=[t.tokens for t in tiered],
+                       tiered_tier=[TIERS[t.tier] for t in tiered])
     if stamp is not None and math.isfinite(stamp):
         msg.header.stamp = to_time_msg(stamp)
     msg.header.frame_id = frame_id

@@ -168,11 +168,13 @@ class MemoryNode(MemoryLifecycle, RefusedTransitions, LifecycleNodeMixin, Node):
 
     def _publish_chunk(self, chunk, result, held: list[HeldChunk]) -> None:
         """Worker thread, after the session recorded the chunk: its drift, and what the memory
-        holds (`held`, oldest first) as the memory image, ~/memory_chunks and the markers."""
+        holds (`held`, oldest first; the second tier from the session's stats taken with them)
+        as the memory image, ~/memory_chunks and the markers."""
         msg = drift_message(DriftRecord.from_result(chunk, result), self.session.frame_id)
         msg.pose = pose_stamped(result.pose, result.stamp)
         self.drift_pub.publish(msg)  # after Ctrl-C this raises; the worker counts it and goes on
-        self.memory_view.chunk_done(result, chunk.frames[-1], held, msg.header.frame_id)
+        self.memory_view.chunk_done(result, chunk.frames[-1], held, msg.header.frame_id,
+                                    self.session.stats.tiered)
 
     def _on_timer(self) -> None:
         """The 1 Hz report (and the camera's QoS following); a failure is logged, never raised

@@ -224,10 +224,12 @@ def test_no_goal_without_a_known_evidence_pose():
 
 def test_an_answer_says_how_many_chunks_it_recalled_and_from_where():
     response = AskMemory.Response(success=True, answer="red", memory_tokens=8,
-                                  recalled_chunks=3, recalled_from_disk=1)
+                                  recalled_chunks=3, recalled_from_disk=1,
+                                  recalled_times=[0.5, 2.5, 4.5])
     assert "; 3 chunks recalled (1 from disk);" in format_response(response)
     data = robot_dict(RobotAnswer("/robot1/deltas_memory", response))
     assert (data["recalled_chunks"], data["recalled_from_disk"]) == (3, 1)
+    assert data["recalled_times"] == [0.5, 2.5, 4.5]
     response.recalled_chunks = response.recalled_from_disk = 0
     assert "recalled" not in format_response(response)
 

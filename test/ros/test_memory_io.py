@@ -13,12 +13,13 @@ import pytest
 import torch
 from builtin_interfaces.msg import Time
 from deltas_ros.action import AskMemory as AskAction
+from deltas_ros.msg import MemoryChunks
 from deltas_ros.srv import AskMemory
 from geometry_msgs.msg import PoseStamped, PoseWithCovarianceStamped
 from nav_msgs.msg import Odometry
 
 from deltas_ros.core.poses import Pose, PoseBuffer
-from deltas_ros.core.results import Answer
+from deltas_ros.core.results import Answer, HeldChunk, TieredChunk
 from deltas_ros.core.slot_table import SlotTable
 from deltas_ros.ros import memory_io as ros_memory
 from deltas_ros.ros.memory_io import POSE_TYPES, PoseInput, fill_answer, pose_of
@@ -185,19 +186,37 @@ def test_the_reasoning_travels_apart_from_the_answer(target):
 def test_what_the_question_recalled_travels_with_the_answer(target):
     answer = Answer(text="red", evidence_times=[], evidence_stamps=[], memory_tokens=8,
                     span_start=0.0, span_end=4.0, latency_ms=1.0, generated_tokens=1,
-                    recalled_chunks=3, recalled_from_disk=2)
+                    recalled_chunks=3, recalled_from_disk=2, recalled_times=[1.5, 2.0, 7.25])
     msg = target()
     fill_answer(msg, answer)
     assert (msg.recalled_chunks, msg.recalled_from_disk) == (3, 2)
+    assert list(msg.recalled_times) == [1.5, 2.0, 7.25]
+
+
+def test_memory_chunks_list_the_second_tier_beside_the_held_chunks():
+    """The tiered chunks come as their own arrays, oldest first, their tier as the message's
+    constants; the held chunks' arrays are as without a second tier."""
+    held = [HeldChunk(4, 4.0, 10, 0), HeldChunk(5, 5.0, 10, -1)]
+    tiered = [TieredChunk(1, 1.0, 12, "disk"), TieredChunk(2, 2.0, 6, "host"),
+              TieredChunk(4, 4.0, 4, "host")]
+    msg = ros_memory.chunks_message(held, STAMP, "camera", tiered)
+    assert (list(msg.stream_time), list(msg.tokens), list(msg.bucket)) == (
+        [4.0, 5.0], [10, 10], [0, -1])
+    assert list(msg.tiered_time) == [1.0, 2.0, 4.0] and list(msg.tiered_tokens) == [12, 6, 4]
+    assert list(msg.tiered_tier) == [MemoryChunks.TIER_DISK, MemoryChunks.TIER_HOST,
+                                     MemoryChunks.TIER_HOST]
+    alone = ros_memory.chunks_message(held, STAMP, "camera")
+    assert not (alone.tiered_time or alone.tiered_tokens or alone.tiered_tier)
 
 
 def test_the_memory_view_follows_every_chunk_before_any_eviction(ros_env):
     """A memory below its budget evicts nothing, yet a viewer (rqt, the dashboard) sees each new
-    chunk on ~/memory_image and ~/memory_chunks; an evicted chunk leaves both."""
+    chunk on ~/memory_image and ~/memory_chunks; an evicted chunk leaves both, and the second
+    tier it went to is listed."""
     import numpy as np
     import rclpy
 
-    from deltas_ros.core.results import ChunkResult, HeldChunk
+    from deltas_ros.core.results import ChunkResult
     from deltas_ros.runtime.image import GAP, THUMB_W
 
     context = rclpy.Context()
@@ -220,11 +239,14 @@ def test_the_memory_view_follows_every_chunk_before_any_eviction(ros_env):
         assert [list(msg.stream_time) for msg in chunks] == [[0.0], [0.0, 1.0], [0.0, 1.0, 2.0]]
         evicting = ChunkResult(3, 3.0, 0.1, [], 10, 30, 10, 1.0, 0.1, 0.1, stamp=STAMP + 3)
         held = [HeldChunk(0, 0.0, 10, 0), HeldChunk(2, 2.0, 4, 1), HeldChunk(3, 3.0, 10, -1)]
-        view.chunk_done(evicting, frame, held, "camera")
+        view.chunk_done(evicting, frame, held, "camera", [TieredChunk(1, 1.0, 10, "host")])
         assert (images[-1].width - GAP) // (THUMB_W + GAP) == 3
         last = chunks[-1]
         assert (list(last.stream_time), list(last.tokens), list(last.bucket)) == (
             [0.0, 2.0, 3.0], [10, 4, 10], [0, 1, -1])
+        assert (list(last.tiered_time), list(last.tiered_tokens), list(last.tiered_tier)) == (
+            [1.0], [10], [last.TIER_HOST])
+        assert not chunks[0].tiered_time  # nothing tiered yet
         assert last.header.frame_id == "camera" and last.header.stamp == to_time_msg(STAMP + 3)
         node.destroy_node()
     finally:
