@@ -4,9 +4,11 @@
 const token = new URLSearchParams(location.search).get("token");
 const q = (path) => token ? path + "?token=" + encodeURIComponent(token) : path;
 const NS = "http://www.w3.org/2000/svg";
-let chunks = [], evidence = [], evidencePoses = [], health = {}, healthAt = 0;
+let chunks = [], evidence = [], evidencePoses = [], recalled = [], health = {}, healthAt = 0;
 // stream time (ms) -> {tokens, bucket, tile} of each held chunk, from ~/memory_chunks
 let held = new Map(), newestHeld = -Infinity, heldStamp = null;
+// stream time (ms) -> {tokens, tier} of each chunk in the second tier ("host" or "disk")
+let tiered = new Map();
 const key = (t) => Math.round(t * 1000);
 let span = [0, 1], drag = null;  // the drawn time span; the drag's first stream time
 let stripStamp = null, imageAsked = 0, imageShown = 0;  // the memory image's chunk stamp
@@ -25,15 +27,21 @@ function budget() {
 }
 
 // Where a chunk is: its colour class (as the timeline and the map draw it), its place in the
-// memory (undefined when not held) and whether it was evicted.
+// memory (undefined when not held), whether it was evicted, and where its tokens wait in the
+// second tier (an evicted chunk takes its tier's colour; a thinned one keeps its bucket's).
 function placeOf(c) {
-  const hit = evidence.some((t) => Math.abs(t - c.stream_time) < 0.5);
-  const place = held.get(key(c.stream_time));
+  const near = (t) => Math.abs(t - c.stream_time) < 0.5;
+  const hit = evidence.some(near), back = recalled.some(near);
+  const place = held.get(key(c.stream_time)), tier = tiered.get(key(c.stream_time));
   const gone = !place && c.stream_time < newestHeld;
-  const kind = hit ? "evidence" : gone ? "evicted" : !place ? "" :
-    place.bucket < 0 ? "recent" : place.bucket % 2 ? "odd" : "";
-  const where = gone ? "evicted" : !place ? "" : (place.bucket < 0 ? "recent window" :
+  const kind = hit ? "evidence" : back ? "recalled" : gone ? (tier ? tier.tier : "evicted") :
+    !place ? "" : place.bucket < 0 ? "recent" : place.bucket % 2 ? "odd" : "";
+  const gpu = gone ? "evicted" : !place ? "" : (place.bucket < 0 ? "recent window" :
     `bucket ${place.bucket}`) + `, ${place.tokens} tokens held`;
+  const away = !tier ? "" :
+    `${tier.tokens} tokens ${tier.tier === "disk" ? "on disk" : "in host memory"}`;
+  const where = [gpu, away, back ? "recalled by the last question" : ""]
+    .filter(Boolean).join("; ");
   return {kind, place, gone, where};
 }
 
@@ -120,6 +128,9 @@ function setHeld(h) {
                                                tile: k}]));
   newestHeld = times.length ? times[times.length - 1] : -Infinity;
   heldStamp = h.stamp === undefined ? null : h.stamp;
+  const away = h.tiered_time || [];
+  tiered = new Map(away.map((t, k) => [key(t), {tokens: h.tiered_tokens[k],
+                                                tier: h.tiered_tier[k]}]));
 }
 
 function setHealth(h) {
@@ -150,8 +161,9 @@ setInterval(showHealth, 1000);  // the tiles age: a node gone silent turns its t
 
 async function ask() {
   const answer = document.getElementById("answer");
-  const ev = document.getElementById("evidence");
-  answer.textContent = "…"; ev.textContent = ""; evidence = []; evidencePoses = []; draw();
+  const ev = document.getElementById("evidence"), back = document.getElementById("recalled");
+  answer.textContent = "…"; ev.textContent = ""; back.textContent = "";
+  evidence = []; evidencePoses = []; recalled = []; draw();
   const question = document.getElementById("question").value;
   const response = await post("/ask", {question, window: chosenWindow()});
   if (!response.ok) { answer.textContent = (await response.json()).error; return; }
@@ -167,6 +179,7 @@ async function ask() {
       const kind = (block.match(/^event: (.*)$/m) || [])[1];
       const data = JSON.parse((block.match(/^data: (.*)$/m) || [, "null"])[1]);
       if (kind === "feedback") answer.textContent = data.answer;
+      if (kind === "feedback" || kind === "result") back.textContent = recalledText(data);
       if (kind === "result") {
         answer.textContent = data.success ? data.answer : "failed: " + data.message;
         evidence = data.evidence_times || [];
@@ -174,10 +187,20 @@ async function ask() {
         ev.textContent = evidence.length ? "evidence at " +
           evidence.map((t) => t.toFixed(1) + " s").join(", ") : "";
         ev.className = evidence.length ? "has-evidence" : "";
+        recalled = data.recalled_times || [];
         draw();
       }
     }
   }
+}
+// What a question called back from the second tier: the counts (known before its first
+// token), and the chunks' times once answered.
+function recalledText(data) {
+  if (!data.recalled_chunks) return "";
+  const n = data.recalled_chunks;
+  const times = (data.recalled_times || []).map((t) => t.toFixed(1) + " s").join(", ");
+  return `recalled ${n} chunk${n === 1 ? "" : "s"} from the second tier ` +
+    `(${data.recalled_from_disk} from disk)` + (times ? " at " + times : "");
 }
 const timeline = document.getElementById("timeline");
 timeline.addEventListener("pointerdown", (e) => {

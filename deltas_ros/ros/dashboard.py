@@ -40,11 +40,17 @@ def chunk_dict(msg: DriftScore) -> dict:
             "evicted_tokens": msg.evicted_tokens, "pose": pose_dict(msg.pose)}
 
 
+TIER_NAMES = {MemoryChunks.TIER_HOST: "host", MemoryChunks.TIER_DISK: "disk"}
+
+
 def held_dict(msg: MemoryChunks) -> dict:
-    """The held chunks; `stamp` (the newest chunk's) pairs them with the memory image drawn
-    after the same chunk, whose tiles the page then knows chunk by chunk."""
+    """The held chunks and the second tier's (`tiered_tier` by name: "host" or "disk");
+    `stamp` (the newest chunk's) pairs them with the memory image drawn after the same chunk,
+    whose tiles the page then knows chunk by chunk."""
     return {"stream_time": list(msg.stream_time), "tokens": list(msg.tokens),
-            "bucket": list(msg.bucket), "stamp": seconds(msg.header.stamp)}
+            "bucket": list(msg.bucket), "stamp": seconds(msg.header.stamp),
+            "tiered_time": list(msg.tiered_time), "tiered_tokens": list(msg.tiered_tokens),
+            "tiered_tier": [TIER_NAMES.get(t, "") for t in msg.tiered_tier]}
 
 
 def result_dict(result: Any) -> dict:
@@ -56,7 +62,8 @@ def result_dict(result: Any) -> dict:
             "memory_span": [result.memory_span_start, result.memory_span_end],
             "latency_ms": result.latency_ms, "generated_tokens": result.generated_tokens,
             "recalled_chunks": result.recalled_chunks,
-            "recalled_from_disk": result.recalled_from_disk}
+            "recalled_from_disk": result.recalled_from_disk,
+            "recalled_times": list(result.recalled_times)}
 
 
 def jpeg_of(msg: Image) -> bytes:
@@ -128,7 +135,10 @@ class DashboardNode(Node):
         box: dict[str, Any] = {}
 
         def feedback(msg: Any) -> None:
-            on_feedback({"answer": msg.feedback.answer, "tokens": msg.feedback.tokens})
+            f = msg.feedback
+            on_feedback({"answer": f.answer, "tokens": f.tokens,
+                         "recalled_chunks": f.recalled_chunks,
+                         "recalled_from_disk": f.recalled_from_disk})
 
         def accepted(future: Any) -> None:
             handle = future.result()

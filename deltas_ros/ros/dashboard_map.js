@@ -37,7 +37,7 @@ let mapDrawn = "";  // what the map shows now: redrawn only when it changes (not
 function drawMap() {
   const last = chunks[chunks.length - 1];
   const shows = JSON.stringify([chunks.length, last && last.stream_time, heldStamp, newestHeld,
-                                held.size, evidence, chosenWindow()]);
+                                held.size, evidence, recalled, chosenWindow()]);
   if (shows === mapDrawn) return;
   mapDrawn = shows;
   const svg = document.getElementById("map");
@@ -74,7 +74,8 @@ function drawMap() {
     X(now.x) + u * Math.cos(a) - v * Math.sin(a), Y(now.y) - u * Math.sin(a) - v * Math.cos(a)]);
   svg.appendChild(el("polygon", {points: tri.join(" "), class: "robot"}));
   const [since, until] = chosenWindow();
-  const order = {evicted: 0, "": 1, odd: 1, recent: 1, evidence: 2};
+  const order = {evicted: 0, host: 0, disk: 0, "": 1, odd: 1, recent: 1, recalled: 2,
+                 evidence: 2};
   const placed = points.map((c) => ({c, ...placeOf(c)}))
     .sort((p, r) => order[p.kind] - order[r.kind]);
   for (const {c, kind, place} of placed) {
@@ -82,7 +83,7 @@ function drawMap() {
       (!until || c.stream_time <= until);
     const cls = ["pt", place ? "held" : "", kind, inWindow ? "inwin" : ""].filter(Boolean);
     svg.appendChild(el("circle", {cx: X(c.pose.x), cy: Y(c.pose.y),
-                                  r: kind === "evicted" ? 3 : 5.5, class: cls.join(" "),
+                                  r: order[kind] ? 5.5 : 3, class: cls.join(" "),
                                   "data-t": c.stream_time}));
   }
   for (const e of alone)  // evidence the dashboard has no chunk for (it joined later)

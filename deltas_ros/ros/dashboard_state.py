@@ -15,6 +15,8 @@ from typing import Any
 
 from .dashboard_limits import Limits
 
+TIERED = ("tiered_time", "tiered_tokens", "tiered_tier")  # ~/memory_chunks' second tier
+
 
 def sse(kind: str, data: Any) -> bytes:
     """One Server-Sent Event."""
@@ -75,7 +77,11 @@ class DashboardState:
         self.publish("image", {"bytes": len(jpeg), "stamp": stamp})
 
     def set_held(self, held: dict[str, list]) -> None:
-        """What the memory holds now (one entry per chunk: bounded by the node's budget)."""
+        """What the memory holds now (one entry per chunk: bounded by the node's budget), and
+        the newest of its second tier, as many as the timeline keeps chunks (the tier on disk
+        may hold many more than the page shows)."""
+        keep = self.limits.chunks
+        held = held | {name: held[name][-keep:] for name in TIERED if name in held}
         with self.lock:
             self.held = held
         self.publish("held", held)

@@ -21,11 +21,14 @@ from pathlib import Path
 
 import pytest
 from dashboard_helpers import SlowMemory, chromium, open_events
+from deltas_ros.action import AskMemory as AskAction
+from deltas_ros.msg import MemoryChunks
 from engine_helpers import wait_until
 from geometry_msgs.msg import PoseStamped
 from ros_helpers import BASE_STAMP, SMALL, Tester, node_command, stamp_msg, start, stop
 
 from bench.dashboard_page import dashboard_url
+from deltas_ros.ros.dashboard import held_dict, result_dict
 from deltas_ros.ros.dashboard_access import check_bind
 from deltas_ros.ros.dashboard_http import DashboardHttp
 from deltas_ros.ros.dashboard_limits import Limits
@@ -88,6 +91,25 @@ def test_buffers_and_subscribers_are_bounded():
     third = state.subscribe()  # the oldest gives way: a new page always gets its view
     assert state.subscribers == [second, third]
     assert first.queue.get_nowait() is None  # its stream ends
+
+
+def test_the_second_tier_and_the_recalled_chunks_reach_the_page():
+    """~/memory_chunks' second tier with each tier by name (only as many as the timeline keeps
+    chunks, the newest), and an answer's recalled chunks' times."""
+    msg = MemoryChunks(stream_time=[5.0], tokens=[10], bucket=[-1],
+                       tiered_time=[1.0, 2.0, 3.0], tiered_tokens=[12, 6, 4],
+                       tiered_tier=[MemoryChunks.TIER_DISK, MemoryChunks.TIER_DISK,
+                                    MemoryChunks.TIER_HOST])
+    state = DashboardState(Limits(chunks=2))
+    state.set_held(held_dict(msg))
+    held = state.snapshot()["held"]
+    assert (held["stream_time"], held["tokens"], held["bucket"]) == ([5.0], [10], [-1])
+    assert (held["tiered_time"], held["tiered_tokens"], held["tiered_tier"]) == (
+        [2.0, 3.0], [6, 4], ["disk", "host"])
+    result = result_dict(AskAction.Result(success=True, recalled_chunks=2, recalled_from_disk=1,
+                                          recalled_times=[1.0, 3.0]))
+    assert (result["recalled_chunks"], result["recalled_from_disk"],
+            result["recalled_times"]) == (2, 1, [1.0, 3.0])
 
 
 def test_http_state_token_and_body_limit(server):
@@ -186,6 +208,7 @@ def test_dashboard_sees_chunks_and_answers(live):
         result["evidence_times"])
     assert all(p["frame_id"] == "odom" for p in result["evidence_poses"])
     assert result["recalled_chunks"] == result["recalled_from_disk"] == 0  # no second tier
+    assert result["recalled_times"] == [] and held["tiered_time"] == held["tiered_tier"] == []
 
 
 # Records what the page sends to /ask and the reply it streams back (a clone of the response).

@@ -1,7 +1,8 @@
 """The dashboard page's map and health tiles in headless chromium, against the HTTP side alone
 (no ROS): a DashboardState fed by hand as the dashboard node feeds it, so each case (no poses,
-two frames, a thumbnail cut from the memory image, an evicted chunk) is set up exactly and the
-page is checked within bounded waits, whatever the machine's load."""
+two frames, a thumbnail cut from the memory image, an evicted chunk, chunks in the second tier
+and one a question recalled) is set up exactly and the page is checked within bounded waits,
+whatever the machine's load."""
 
 from __future__ import annotations
 
@@ -56,9 +57,13 @@ HEALTH = {"level": 0, "message": "ok", "values": {
 
 
 def fake_ask(question, on_feedback, left) -> dict:
-    """An answer whose evidence is chunk 9 (posed) and chunk 20, which the page never saw."""
+    """An answer whose evidence is chunk 9 (posed) and chunk 20, which the page never saw, and
+    which recalled chunk 4 from disk."""
+    on_feedback({"answer": "a blue", "tokens": 2, "recalled_chunks": 1,
+                 "recalled_from_disk": 1})
     return {"success": True, "answer": "a blue square", "evidence_times": [9.0, 20.0],
-            "evidence_poses": [pose(9), pose(20)]}
+            "evidence_poses": [pose(9), pose(20)], "recalled_chunks": 1,
+            "recalled_from_disk": 1, "recalled_times": [4.0]}
 
 
 @pytest.fixture
@@ -130,20 +135,32 @@ def test_the_map_and_tiles_in_headless_chromium(page):
     assert not browser.find_element(By.ID, "health").is_displayed()  # folded away
 
     # Posed chunks arrive live: one in "map", then ten in "odom"; the map shows the newest
-    # frame's and says there are two. Chunk 4 was evicted; the memory image has a tile for
+    # frame's and says there are two. Chunks 4 and 6 were evicted into the second tier, on
+    # disk and in host memory, and chunk 8 thinned into it; the memory image has a tile for
     # each held chunk, drawn after the same chunk as the held list.
     state.add_chunk(chunk(3, pose(3, "map")))
     for i in range(4, 14):
         state.add_chunk(chunk(i, pose(i)))
-    times = [float(i) for i in range(14) if i != 4]
+    times = [float(i) for i in range(14) if i not in (4, 6)]
     state.set_held({"stream_time": times, "tokens": [14] * len(times),
-                    "bucket": [k // 4 for k in range(len(times))], "stamp": STAMP0 + 13})
+                    "bucket": [k // 4 for k in range(len(times))], "stamp": STAMP0 + 13,
+                    "tiered_time": [4.0, 6.0, 8.0], "tiered_tokens": [14, 14, 6],
+                    "tiered_tier": ["disk", "host", "host"]})
     state.set_image(strip_jpeg(times), STAMP0 + 13)
     wait.until(lambda b: len(points()) == 10)
     assert "2 frames (map, odom)" in text("#map-note")
     assert "showing the newest frame's, odom" in text("#map-note")
     wait.until(lambda b: b.execute_script(
         "const i = document.getElementById('strip'); return i.complete && i.naturalWidth > 0"))
+    bar = lambda kind, i: browser.find_elements(  # noqa: E731
+        By.CSS_SELECTOR, f'#timeline rect.bar{kind}[data-index="{i}"]')
+    assert bar(".disk", 4) and bar(".host", 6) and not bar(".host", 8)  # 8 is still held
+    assert browser.find_elements(By.CSS_SELECTOR, '#map .pt.disk[data-t="4"]')
+    assert browser.find_elements(By.CSS_SELECTOR, '#map .pt.host[data-t="6"]')
+    tip = browser.execute_script(
+        "return document.querySelector('#timeline rect.bar[data-index=\"8\"] title')"
+        ".textContent")
+    assert "14 tokens held; 6 tokens in host memory" in tip, tip
 
     def hover(t: float) -> str:
         dot = browser.find_element(By.CSS_SELECTOR, f'#map .pt[data-t="{t:g}"]')
@@ -155,7 +172,8 @@ def test_the_map_and_tiles_in_headless_chromium(page):
     # why it has none.
     assert "chunk 9" in hover(9.0)
     assert browser.find_elements(By.CSS_SELECTOR, "#maptip canvas")
-    assert "no picture: evicted" in hover(4.0)
+    on_disk = hover(4.0)
+    assert "no picture: evicted" in on_disk and "14 tokens on disk" in on_disk
 
     # Click: the question's window around the chunk, as a click on the timeline sets it.
     browser.find_element(By.CSS_SELECTOR, '#map .pt[data-t="11"]').click()
@@ -164,9 +182,14 @@ def test_the_map_and_tiles_in_headless_chromium(page):
     assert since <= 11.0 <= until and until - since <= 0.2, (since, until)
     assert browser.find_elements(By.CSS_SELECTOR, '#map .pt.inwin[data-t="11"]')
 
-    # An answer lights its evidence: chunk 9's point, and a mark for chunk 20, unseen.
+    # An answer lights its evidence: chunk 9's point, and a mark for chunk 20, unseen; and the
+    # chunk it recalled, 4, on the timeline and the map, while 6 stays in its tier.
     browser.find_element(By.ID, "question").send_keys("What was blue?")
     browser.find_element(By.ID, "ask").click()
     wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, '#map circle.pt.evidence[data-t="9"]'))
     assert browser.find_elements(By.CSS_SELECTOR, '#map rect.pt.evidence[data-t="20"]')
     assert browser.find_elements(By.CSS_SELECTOR, "#timeline rect.bar.evidence")
+    assert bar(".recalled", 4) and bar(".host", 6)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#timeline rect.bar.recalled")) == 1
+    assert browser.find_elements(By.CSS_SELECTOR, '#map .pt.recalled[data-t="4"]')
+    assert text("#recalled") == "recalled 1 chunk from the second tier (1 from disk) at 4.0 s"
