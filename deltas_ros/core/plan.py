@@ -26,8 +26,9 @@ spends bytes changes one function:
   the view itself (`recall_bytes`: every layer's cache joined with the recalled K/V while the
   cached originals are kept, and the recalled K/V moved to the device) adds to both.
 
-The host tier's own memory (`host_budget_mb`) is not in the plan: the plan reads the device's
-free memory only, and treats no memory as shared between host and GPU (as a Jetson's is).
+- the host tier (`host_budget_mb`) where host and device share one memory: on the CPU, and on
+  an integrated GPU such as a Jetson's (`shares_host_memory`); a discrete GPU's plan leaves it
+  out (it lives in host RAM).
 
 The plan leaves out what the process holds before the model (interpreter, libraries: measured
 about 0.75 GB on CPU with torch imported) and the CUDA context: they are already in use when
@@ -71,6 +72,7 @@ class PlanInputs:
     answer_tokens: int = MemoryConfig.max_new_tokens
     evidence_candidates: int = MemoryConfig.evidence_candidates
     recall_tokens: int = 0
+    host_tier_bytes: int = 0  # the second tier's host budget (counted where memory is shared)
 
     @property
     def view_tokens(self) -> int:
@@ -143,6 +145,7 @@ class Plan:
     evidence_bytes: int
     recall_tokens: int
     recall_bytes: int
+    host_tier_bytes: int
     resident_bytes: int
     peak_bytes: int
     tokens_per_chunk: int
@@ -172,6 +175,9 @@ class Plan:
         if self.recall_tokens:
             rows.append(("recall view (in both)", self.recall_bytes,
                          f"M + {self.recall_tokens} recalled tokens, in the two above"))
+        if self.host_tier_bytes:
+            rows.append(("host tier", self.host_tier_bytes,
+                         "host_budget_mb: this device shares the host's memory"))
         lines = [f"{name:<26}{mib(size):>12}  {note}" for name, size, note in rows]
         verdict = "fits" if self.fits else "does NOT fit"
         lines += [f"{'peak':<26}{mib(self.peak_bytes):>12}  resident "
@@ -333,6 +339,15 @@ def available_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read the available memory (/proc/meminfo has no MemAvailable)")
 
 
+def shares_host_memory(device: torch.device) -> bool:
+    """Whether `device`'s memory is the host's: the CPU, or an integrated GPU (a Jetson). A
+    CUDA device this machine does not have (a plan for another machine) counts as discrete."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.is_available() and bool(
+        torch.cuda.get_device_properties(device).is_integrated)
+
+
 def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
               dtype: torch.dtype, available: int | None = None) -> Plan:
     """The plan of `config` (a Qwen3.5 config) for `inputs` on `device` in `dtype`; `available`
@@ -344,7 +359,9 @@ def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
     per_token = kv_bytes_per_token(shape, size)
     states, conv = state_bytes(shape), conv_state_bytes(shape, size)
     weights = shape.parameters * size
-    resident = weights + inputs.budget_tokens * per_token + 3 * (states + conv)
+    host_tier = inputs.host_tier_bytes if inputs.host_tier_bytes and shares_host_memory(
+        device) else 0
+    resident = weights + inputs.budget_tokens * per_token + 3 * (states + conv) + host_tier
     chunk = chunk_forward_bytes(shape, inputs, tokens, patches, size)
     view = recall_bytes(shape, inputs, size)
     question = question_bytes(shape, inputs, size) + view
@@ -359,7 +376,7 @@ def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
         kv_bytes=inputs.budget_tokens * per_token, state_bytes=states, conv_state_bytes=conv,
         snapshot_bytes=2 * (states + conv), chunk_forward_bytes=chunk, question_bytes=question,
         evidence_bytes=evidence, recall_tokens=inputs.recall_tokens, recall_bytes=view,
-        resident_bytes=resident, peak_bytes=peak,
+        host_tier_bytes=host_tier, resident_bytes=resident, peak_bytes=peak,
         tokens_per_chunk=tokens, video_tokens_per_chunk=video,
         stream_seconds=inputs.budget_tokens / tokens * seconds_per_chunk,
         available_bytes=free, fits=peak <= free,
@@ -386,7 +403,8 @@ def require_fit(path: str | Path, config: MemoryConfig, device: str, dtype: str,
                         evidence_candidates=config.evidence_candidates,
                         # a question recalls only from a second tier
                         recall_tokens=(config.recall_tokens if config.host_budget_mb
-                                       or config.disk_budget_mb else 0))
+                                       or config.disk_budget_mb else 0),
+                        host_tier_bytes=int(config.host_budget_mb * 2**20))
     plan = plan_for_path(path, inputs, torch_device, resolve_dtype(dtype, torch_device))
     if not plan.fits:
         raise RuntimeError(

@@ -9,6 +9,7 @@ import io
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -209,3 +210,18 @@ def test_the_node_plans_recall_only_with_a_second_tier(tiny_model_dir, monkeypat
     code, out = run_cli("plan", "--json", "--config", MODELS / "qwen3_5_9b.json",
                         "--recall-tokens", "2048", "--dtype", "bfloat16", "--available-gib", "80")
     assert code == 0 and json.loads(out)["recall_bytes"] == (8192 + 2 * 2048) * 32 * 1024
+
+
+def test_the_host_tier_counts_where_the_device_shares_the_hosts_memory(monkeypatch):
+    config = read_config(MODELS / "qwen3_5_0_8b.json")
+    inputs = PlanInputs(host_tier_bytes=512 * 2**20)
+    cpu = make_plan(config, inputs, torch.device("cpu"), torch.bfloat16, available=2**40)
+    plain = make_plan(config, PlanInputs(), torch.device("cpu"), torch.bfloat16, available=2**40)
+    assert cpu.resident_bytes - plain.resident_bytes == 512 * 2**20 == cpu.host_tier_bytes
+    assert "host tier" in cpu.summary() and "host tier" not in plain.summary()
+    monkeypatch.setattr(plan_module.torch.cuda, "is_available", lambda: True)
+    for integrated, counted in ((True, 512 * 2**20), (False, 0)):
+        monkeypatch.setattr(plan_module.torch.cuda, "get_device_properties",
+                            lambda _, shared=integrated: SimpleNamespace(is_integrated=shared))
+        gpu = make_plan(config, inputs, torch.device("cuda"), torch.bfloat16, available=2**40)
+        assert gpu.host_tier_bytes == counted
