@@ -329,7 +329,7 @@ class StreamingMemory:
         try:
             return window_slots(self.slots, since, until)
         except ValueError:
-            times = [] if self.tiers is None else self.tiers.index().times.tolist()
+            times = [] if self.tiers is None else [c.time for c in self.tiers.chunks()]
             if not any((since is None or t >= since) and (until is None or t <= until)
                        for t in times):
                 raise
