@@ -51,7 +51,7 @@ def test_retention_is_counted_per_stream_minute():
 
 @pytest.mark.slow  # streams through the shipped model
 def test_two_parts_and_their_merge_report_every_cell(tmp_path):
-    common = ["--lengths", "30:1", "--objects", "2", "--fractions", "0.05", "0.1",
+    common = ["--lengths", "20:1", "--objects", "2", "--fractions", "0.05", "0.1",
               "--policies", "full", "surprise", "recency"]
     for part in ("1/2", "2/2"):
         paper_regime.main([*common, "--part", part, "--out", str(tmp_path / part[0])])
@@ -61,7 +61,7 @@ def test_two_parts_and_their_merge_report_every_cell(tmp_path):
     assert set(results["table"]) == {"full", "surprise@0.05", "surprise@0.1", "recency@0.05",
                                      "recency@0.1"}
     assert set(results["retention"]) == set(results["table"])
-    held, brought = results["retention"]["full"]["30"]
+    held, brought = results["retention"]["full"]["20"]
     assert held == brought  # full memory keeps every token
     report = (tmp_path / "paper_regime.md").read_text()
     assert "| stream | budget | M (tokens) | window | tokens a chunk | chunks M holds |" in report
