@@ -62,7 +62,7 @@ class _Entry:
     tokens: int
     nbytes: int  # its tensors' bytes in host memory; its file's on disk
     mean_score: float
-    summary: torch.Tensor  # recall.key_summary of its keys, e.g. (L, H_kv, D) float32
+    summary: torch.Tensor  # recall.key_summary of its keys: (L, H_kv, 4, D) float32 (top-norm)
     first_position: int  # its first token's T position, as it would be read now
     tier: str = HOST
     piece: TierPiece | None = None  # without a pending shift (placed pieces are shifted)
@@ -80,7 +80,8 @@ class _Entry:
 
 @dataclass(frozen=True)
 class TierIndex:
-    """Every tiered chunk, oldest first: what recall scores. summaries (C, L, H_kv, D)."""
+    """Every tiered chunk, oldest first: what recall scores. summaries (C, L, H_kv, r, D) of
+    the store's kind (recall.py; (C, L, H_kv, D) for `mean`)."""
 
     chunks: list[int]
     times: torch.Tensor
