@@ -91,8 +91,12 @@ def recall_scores(queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tenso
     if summaries.dim() == 4:
         logits = torch.einsum("lkgd,clkd->c", grouped.mean(3), summaries.float())
         return logits / (layers * heads * math.sqrt(dim))
-    best = torch.einsum("lkgtd,clkrd->clkgtr", grouped, summaries.float()).amax(-1)
-    return best.sum((1, 2, 3, 4)) / (layers * heads * tokens * math.sqrt(dim))
+    chunks, reps = summaries.shape[0], summaries.shape[3]
+    # one matmul per layer and KV head: (G*q, D) x (D, C*r), as BLAS runs it fastest
+    keys = summaries.float().permute(1, 2, 0, 3, 4).reshape(layers, kv_heads, chunks * reps, dim)
+    logits = grouped.reshape(layers, kv_heads, -1, dim) @ keys.transpose(-1, -2)
+    best = logits.view(layers, kv_heads, -1, chunks, reps).amax(-1)
+    return best.sum((0, 1, 2)) / (layers * heads * tokens * math.sqrt(dim))
 
 
 def choose_recall(scores: torch.Tensor, tokens: torch.Tensor, budget: int) -> list[int]:
