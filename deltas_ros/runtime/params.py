@@ -108,17 +108,18 @@ PARAMS: tuple[Param, ...] = (
           "Host memory (MB) for the second tier: chunks budget_tokens evicts wait there for a "
           "question to call them back (recall_tokens), so a long patrol keeps more than the "
           "GPU budget; on a Jetson it shares the GPU's memory (see deltas-ros plan). 0: no host "
-          "tier; the default stays off until the second tier's accuracy is measured",
+          "tier. Off by default: on 5-minute streams recall adds 2 points (not significant) "
+          "to the default policy, so it waits for the hour-long measurement",
           low=0.0, high=1_000_000.0),
     Param("disk_budget_mb", MemoryConfig.disk_budget_mb,
           "Disk (MB) for the second tier past host_budget_mb, as files in <memory_dir>/tiers: "
           "hours of evicted chunks kept at disk speed, the oldest lowest-scored dropped beyond "
-          "it. 0: no disk tier; the default stays off until the second tier's accuracy is "
-          "measured", low=0.0, high=10_000_000.0),
+          "it. 0: no disk tier (off by default: disk space and wear are the robot owner's call)",
+          low=0.0, high=10_000_000.0),
     Param("recall_tokens", MemoryConfig.recall_tokens,
           "Tokens a question calls back from the second tier, of the tiered chunks its queries "
-          "score highest; they add to the question's GPU peak (deltas-ros plan). 0: no recall; "
-          "the default stays off until the second tier's accuracy is measured",
+          "score highest; they add to the question's GPU peak (deltas-ros plan) and time "
+          "(docs/performance.md). 0: no recall (off by default, with the host tier)",
           low=0, high=1_000_000),
     Param("memory_dir", "",
           "The only directory memory files are read from and written to "
