@@ -250,40 +250,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> str:
-    lines = []
-    if "chunks" in r:
-        c = r["chunks"]
-        lines += ["Chunk time, tiering off and on over the same chunks (medians after the "
-                  "first eviction, ms):", "",
-                  md_table(["", "engine (forward + signal + eviction)", "add_chunk wall"],
-                           [[n, f"{c[n]['engine_ms']:.2f}", f"{c[n]['wall_ms']:.2f}"]
-                            for n in ("off", "on")]
-                           + [["on / off", f"{c['engine_ratio']:.3f}",
-                               f"{c['wall_ratio']:.3f}"]]), "",
-                  f"{verdict(c['wall_ratio'] <= MAX_CHUNK_RATIO)} (target <= "
-                  f"{MAX_CHUNK_RATIO}x; {c['tiered_chunks']} chunks tiered)", ""]
-    if "long" in r:
-        g = r["long"]
-        lines += [f"A {len(g['samples']) and g['samples'][-1]['chunk'] + 1}-chunk stream into "
-                  f"the tiers: the tiers full (first drop) at chunk {g['full_at_chunk'] + 1}; "
-                  f"RSS growth from there to the end {100 * g['rss_growth']:+.1f} % "
-                  f"({verdict(g['rss_growth'] <= MAX_GROWTH)}, target <= "
-                  f"{100 * MAX_GROWTH:.0f} %); the disk tier at most "
-                  f"{g['max_disk_bytes'] / MB:.2f} MiB on disk; {g['dropped_chunks']} chunks "
-                  f"dropped past both budgets, {g['dropped_pieces']} pieces the writer could "
-                  f"not keep up with.", ""]
-    if "question" in r:
-        q = r["question"]
-        lines += [f"A question over M = {q['kv_tokens']} tokens of {q['model']} in bfloat16 "
-                  f"with {q['tier_chunks']} chunks ({q['tier_bytes'] / 2**30:.2f} GiB) in the "
-                  f"host tier, without evidence; medians of {len(q['rounds'][0])} rounds, "
-                  f"recall off {q['off_ms']:.0f} ms:", "",
-                  md_table(["recall_tokens", "ms", "over recall off", "chunks recalled",
-                            f"target <= {MAX_QUESTION_RATIO}x"],
-                           [[c["recall_tokens"], f"{c['ms']:.0f}", f"{c['ratio']:.2f}",
-                             c["recalled_chunks"], verdict(c["ratio"] <= MAX_QUESTION_RATIO)]
-                            for c in q["recall"]]), ""]
-    return "\n".join(lines)
+    parts = [(chunks_report, "chunks"), (long_report, "long"), (question_report, "question")]
+    return "\n".join(write(r[key]) for write, key in parts if key in r)
+
+
+def chunks_report(c: dict[str, Any]) -> str:
+    rows = [[n, f"{c[n]['engine_ms']:.2f}", f"{c[n]['wall_ms']:.2f}"] for n in ("off", "on")]
+    rows.append(["on / off", f"{c['engine_ratio']:.3f}", f"{c['wall_ratio']:.3f}"])
+    return (f"Chunk time, tiering off and on over the same chunks (medians after the first "
+            f"eviction, ms):\n\n"
+            f"{md_table(['', 'engine (forward + signal + eviction)', 'add_chunk wall'], rows)}"
+            f"\n\n{verdict(c['wall_ratio'] <= MAX_CHUNK_RATIO)} (target <= {MAX_CHUNK_RATIO}x;"
+            f" {c['tiered_chunks']} chunks tiered)\n")
+
+
+def long_report(g: dict[str, Any]) -> str:
+    return (f"A {g['samples'][-1]['chunk'] + 1}-chunk stream into the tiers: the tiers full "
+            f"(first drop) at chunk {g['full_at_chunk'] + 1}; RSS growth from there to the end "
+            f"{100 * g['rss_growth']:+.1f} % ({verdict(g['rss_growth'] <= MAX_GROWTH)}, target "
+            f"<= {100 * MAX_GROWTH:.0f} %); the disk tier at most "
+            f"{g['max_disk_bytes'] / MB:.2f} MiB on disk; {g['dropped_chunks']} chunks dropped "
+            f"past both budgets, {g['dropped_pieces']} pieces the writer could not keep up "
+            f"with.\n")
+
+
+def question_report(q: dict[str, Any]) -> str:
+    rows = [[c["recall_tokens"], f"{c['ms']:.0f}", f"{c['ratio']:.2f}", c["recalled_chunks"],
+             verdict(c["ratio"] <= MAX_QUESTION_RATIO)] for c in q["recall"]]
+    headers = ["recall_tokens", "ms", "over recall off", "chunks recalled",
+               f"target <= {MAX_QUESTION_RATIO}x"]
+    return (f"A question over M = {q['kv_tokens']} tokens of {q['model']} in bfloat16 with "
+            f"{q['tier_chunks']} chunks ({q['tier_bytes'] / 2**30:.2f} GiB) in the host tier, "
+            f"without evidence; medians of {len(q['rounds'][0])} rounds, recall off "
+            f"{q['off_ms']:.0f} ms:\n\n{md_table(headers, rows)}\n")
 
 
 if __name__ == "__main__":
