@@ -16,4 +16,5 @@ def test_the_smoke_run_reports_every_part(tmp_path):
     assert question["tier_chunks"] >= 300
     assert [c["recall_tokens"] for c in question["recall"]] == [60, 120]
     assert all(c["recalled_chunks"] >= 1 for c in question["recall"])
+    assert all(c["from_disk"] >= 1 and c["cold_disk_ms"] > 0 for c in question["recall"])
     assert "The second tier's costs" in (tmp_path / "tier_costs.md").read_text()
