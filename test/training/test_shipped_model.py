@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,9 +45,10 @@ class EvictChunks(RetentionPolicy):
         return torch.full((chunk.num_tokens,), 0.0 if chunk.index in self.chunks else 1.0)
 
 
-def _memory(shipped, budget: int, policy: RetentionPolicy | None = None) -> StreamingMemory:
+def _memory(shipped, budget: int, policy: RetentionPolicy | None = None,
+            **fields) -> StreamingMemory:
     config = MemoryConfig(budget_tokens=budget, sink_tokens=6, window_tokens=14, buckets=1,
-                          pixel_budget=resolve_pixel_budget(0, SHIPPED_MODEL))
+                          pixel_budget=resolve_pixel_budget(0, SHIPPED_MODEL), **fields)
     memory = StreamingMemory(shipped, config)
     if policy is not None:
         memory.policy = policy
@@ -114,6 +116,39 @@ def test_a_busy_stream_is_remembered_until_the_object_is_forced_out(shipped):
     assert set(evicted.stats().retained_chunks).isdisjoint(shown)
     answer = evicted.ask(question).text
     assert not is_correct(qa, answer) and answer.endswith("no"), answer
+
+
+def test_an_evicted_object_is_recalled_from_the_second_tier_by_the_question_about_it(shipped):
+    """The first half of the busy stream above leaves the GPU for the host tier (17 chunks and
+    a bit, the object's 4 among them); asked about it with room to recall 4 chunks, the question
+    calls back chunks showing it and answers yes, where the GPU tier alone answers no."""
+    scene = SceneStream(30, 128, 96, BUSY_SEED, replace(BUSY, objects=(4, 4), reappear=0.0))
+    events = scene.events()
+    target = identities_of(events)[0]
+    chunks = sampled_chunks(scene)
+    shown = {k for k, (_, times) in enumerate(chunks)
+             if any(target["time"] <= t < target["end"] for t in times)}
+    question = f"Did you see a {target['colour']} {target['shape']}?"
+    full = _memory(shipped, 10**6)
+    for frames, times in chunks:
+        full.add_chunk(frames, times)
+    gone = set(range(len(chunks) // 2 + 2))
+    assert shown < gone
+    tokens = {k: int((full.slots.chunk == k).sum()) for k in gone}
+    memory = _memory(shipped, full.kv_tokens - sum(tokens.values()), EvictChunks(gone),
+                     host_budget_mb=64.0, recall_tokens=sum(tokens[k] for k in shown))
+    try:
+        for frames, times in chunks:
+            memory.add_chunk(frames, times)
+        assert memory.tiers.flush(10.0) and gone <= set(memory.tiers.index().chunks)
+        recalled = memory.ask(question)
+        memory.config = replace(memory.config, recall_tokens=0)
+        alone = memory.ask(question)
+    finally:
+        memory.close()
+    shown_times = {float(np.mean(chunks[k][1])) for k in shown}
+    assert shown_times & set(recalled.recalled_times), recalled.recalled_times
+    assert recalled.text.endswith("yes") and alone.text.endswith("no"), (recalled, alone)
 
 
 def test_run_answers_without_a_model_argument(tmp_path, capsys):
