@@ -59,8 +59,6 @@ __all__ = ["EXECUTOR_THREADS", "FINALIZED", "NOT_READY", "QUESTION_SLOTS", "SHUT
 # action's goals, and a spare.
 EXECUTOR_THREADS = QUESTION_SLOTS + ACTION_SLOTS + 6
 
-DRIFT_HISTORY = 100  # ~/drift messages a reliable subscriber may fall behind by
-
 
 class MemoryNode(MemoryLifecycle, RefusedTransitions, LifecycleNodeMixin, Node):
     """The DeltaS memory as a managed ROS 2 node (see the module docstring). rclpy's
@@ -86,9 +84,7 @@ class MemoryNode(MemoryLifecycle, RefusedTransitions, LifecycleNodeMixin, Node):
         # The one copy of the parameters: the session reads this object too.
         self.params = params.Parameters(params.resolved(declare_parameters(self)))
         self.add_on_set_parameters_callback(self._on_set_parameters)
-        # Deep enough that a subscriber a few seconds behind (a recorder, a replay at 8x)
-        # still gets every chunk's score: a reliable writer drops what its history overflows.
-        self.drift_pub = self.create_publisher(DriftScore, "~/drift", DRIFT_HISTORY)
+        self.drift_pub = self.create_publisher(DriftScore, "~/drift", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.memory_view = MemoryView(self, self.values["memory_image_thumbnails"])
         self.memory_services = MemoryServices(self)
