@@ -89,17 +89,23 @@ def test_answer_comes_from_the_retained_chunks(shipped):
     assert not is_correct(qa, answer), answer
 
 
-def test_a_busy_stream_is_remembered_until_the_object_is_forced_out(shipped):
-    """Four objects of the busy world in 30 s: "did you see" the first one is answered yes with
-    full memory and no once the chunks showing it are evicted (the rest all kept)."""
+def busy_target() -> tuple[list[dict], dict, list, set[int], str]:
+    """Four objects of the busy world in 30 s, and the first: (events, the object, the sampled
+    chunks, the chunks showing it, "did you see" it)."""
     scene = SceneStream(30, 128, 96, BUSY_SEED, replace(BUSY, objects=(4, 4), reappear=0.0))
     events = scene.events()
     target = identities_of(events)[0]
     chunks = sampled_chunks(scene)
     shown = {k for k, (_, times) in enumerate(chunks)
              if any(target["time"] <= t < target["end"] for t in times)}
+    return events, target, chunks, shown, f"Did you see a {target['colour']} {target['shape']}?"
+
+
+def test_a_busy_stream_is_remembered_until_the_object_is_forced_out(shipped):
+    """Four objects of the busy world in 30 s: "did you see" the first one is answered yes with
+    full memory and no once the chunks showing it are evicted (the rest all kept)."""
+    events, target, chunks, shown, question = busy_target()
     assert max(shown) < len(chunks) // 2  # early in the stream
-    question = f"Did you see a {target['colour']} {target['shape']}?"
     qa = QA("seen", question, answer_for("seen", events, colour=target["colour"],
                                          shape=target["shape"]))
 
@@ -122,13 +128,7 @@ def test_an_evicted_object_is_recalled_from_the_second_tier_by_the_question_abou
     """The first half of the busy stream above leaves the GPU for the host tier (17 chunks and
     a bit, the object's 4 among them); asked about it with room to recall 4 chunks, the question
     calls back chunks showing it and answers yes, where the GPU tier alone answers no."""
-    scene = SceneStream(30, 128, 96, BUSY_SEED, replace(BUSY, objects=(4, 4), reappear=0.0))
-    events = scene.events()
-    target = identities_of(events)[0]
-    chunks = sampled_chunks(scene)
-    shown = {k for k, (_, times) in enumerate(chunks)
-             if any(target["time"] <= t < target["end"] for t in times)}
-    question = f"Did you see a {target['colour']} {target['shape']}?"
+    _, _, chunks, shown, question = busy_target()
     full = _memory(shipped, 10**6)
     for frames, times in chunks:
         full.add_chunk(frames, times)
