@@ -127,6 +127,7 @@ class TierStore:
         self._busy = False
         self._closed = False
         self.stats = TierStats()
+        self._listed: list[TieredChunk] | None = None  # `chunks()`, until the entries change
         # keys (L, H_kv, n, D) -> the chunk's key summary that recall scores (recall.py): key
         # vectors (..., D) or their means, so a compaction can re-rotate it
         self.summarize: Callable[[torch.Tensor], torch.Tensor] = key_summary
@@ -172,10 +173,14 @@ class TierStore:
                              [e.tier for e in entries], summaries)
 
     def chunks(self) -> list[TieredChunk]:
-        """Every tiered chunk, oldest first, with its tokens and tier: for a viewer."""
+        """Every tiered chunk, oldest first, with its tokens and tier: for a viewer (read after
+        every chunk, so sorted again only after the entries changed)."""
         with self._lock:
-            entries = sorted(self._entries.values(), key=lambda e: (e.time_s, e.chunk))
-            return [TieredChunk(e.chunk, e.time_s, e.tokens, e.tier) for e in entries]
+            if self._listed is None:
+                entries = sorted(self._entries.values(), key=lambda e: (e.time_s, e.chunk))
+                self._listed = [TieredChunk(e.chunk, e.time_s, e.tokens, e.tier)
+                                for e in entries]
+            return list(self._listed)
 
     def load(self, chunks: list[int]) -> list[TierPiece]:
         """The pieces of `chunks` at their current positions, from host memory or read back
@@ -280,6 +285,7 @@ class TierStore:
                 if entry.path is not None:
                     entry.path.unlink(missing_ok=True)
             self._entries.clear()
+            self._listed = None
             self.stats = TierStats()
 
     def close(self) -> None:
@@ -375,6 +381,8 @@ class TierStore:
         del self._entries[entry.chunk]
 
     def _count(self, entry: _Entry, sign: int, tier: str) -> None:
+        """Count an entry in or out of a tier: every change of the entries passes here."""
+        self._listed = None
         if tier == HOST:
             self.stats.host_chunks += sign
             self.stats.host_bytes += sign * entry.nbytes

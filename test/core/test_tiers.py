@@ -59,11 +59,15 @@ def test_pieces_stay_in_host_memory_within_its_budget(store_factory):
 
 def test_the_oldest_spill_to_disk_and_come_back_exactly(store_factory, tmp_path):
     store = store_factory(host_bytes=2 * PIECE_BYTES, disk_bytes=10 * PIECE_BYTES)
-    for chunk in range(5):
+    store.put(piece(0))
+    assert store.flush(5.0) and [c.tier for c in store.chunks()] == [HOST]
+    for chunk in range(1, 5):
         store.put(piece(chunk))
     assert store.flush(5.0)
     index = store.index()
     assert index.tiers == [DISK, DISK, DISK, HOST, HOST]
+    # the viewer's list follows every move between tiers
+    assert [(c.index, c.tier) for c in store.chunks()] == list(zip(range(5), index.tiers))
     stats = store.current_stats()
     assert (stats.host_chunks, stats.disk_chunks) == (2, 3)
     files = list((tmp_path / "tiers").iterdir())
