@@ -93,7 +93,7 @@ class TierIndex:
 @dataclass
 class TierStats:
     """Each tier's chunks and bytes, and what was lost: pieces the writer could not keep up
-    with, and chunks dropped past both budgets."""
+    with, and chunks dropped past both budgets (each once)."""
 
     host_chunks: int = 0
     host_bytes: int = 0
@@ -128,6 +128,9 @@ class TierStore:
         self._closed = False
         self.stats = TierStats()
         self._listed: list[TieredChunk] | None = None  # `chunks()`, until the entries change
+        # chunks dropped whose later pieces may still come (some of their slots are on the
+        # GPU): a chunk is counted dropped once; pruned with every eviction (`_still_held`)
+        self._gone: set[int] = set()
         # keys (L, H_kv, n, D) -> the chunk's key summary that recall scores (recall.py): key
         # vectors (..., D) or their means, so a compaction can re-rotate it
         self.summarize: Callable[[torch.Tensor], torch.Tensor] = key_summary
@@ -285,6 +288,7 @@ class TierStore:
                 if entry.path is not None:
                     entry.path.unlink(missing_ok=True)
             self._entries.clear()
+            self._gone.clear()
             self._listed = None
             self.stats = TierStats()
 
@@ -311,6 +315,9 @@ class TierStore:
             try:
                 for piece in _pieces(item):
                     self._place(piece)
+                if isinstance(item, Evicted):
+                    with self._lock:
+                        self._gone &= _still_held(item)
             except Exception as error:  # a disk full or unwritable: counted, the loop goes on
                 with self._lock:
                     self.stats.errors = [*self.stats.errors[-9:], f"{type(error).__name__}: "
@@ -372,7 +379,9 @@ class TierStore:
 
     def _drop(self, entry: _Entry) -> None:
         self._forget(entry)
-        self.stats.dropped_chunks += 1
+        if entry.chunk not in self._gone:
+            self.stats.dropped_chunks += 1
+            self._gone.add(entry.chunk)
 
     def _forget(self, entry: _Entry) -> None:
         self._count(entry, -1, entry.tier)
@@ -406,6 +415,14 @@ def _rotated(rotate: Rotate | None, summary: torch.Tensor, shift: int) -> torch.
 
 def _pieces(item: TierPiece | Evicted) -> list[TierPiece]:
     return item.pieces() if isinstance(item, Evicted) else [item]
+
+
+def _still_held(evicted: Evicted) -> set[int]:
+    """The chunks with slots on the GPU after the eviction: the only ones more pieces can
+    come from."""
+    kept = torch.ones(len(evicted.table), dtype=torch.bool)
+    kept[evicted.slots] = False
+    return set(evicted.table.chunk[kept].tolist())
 
 
 def _piece_count(item: TierPiece | Evicted) -> int:

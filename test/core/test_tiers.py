@@ -100,6 +100,15 @@ def test_without_a_disk_tier_the_oldest_host_chunk_is_dropped(store_factory):
     assert store.current_stats().dropped_chunks == 1
 
 
+def test_a_chunk_dropped_twice_is_counted_once(store_factory):
+    store = store_factory(host_bytes=PIECE_BYTES, directory=None)
+    for chunk in (0, 1, 0):  # the last: a later piece of chunk 0, evicted after its drop
+        store.put(piece(chunk))
+    assert store.flush(5.0)
+    assert store.index().chunks == [1]
+    assert store.current_stats().dropped_chunks == 1
+
+
 def test_pieces_of_one_chunk_merge_and_their_summary_is_their_mean_key(store_factory):
     store = store_factory(host_bytes=10 * PIECE_BYTES, disk_bytes=10 * PIECE_BYTES)
     first, second = piece(7, tokens=2, seed=1), piece(7, tokens=3, seed=2)
