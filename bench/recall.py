@@ -13,7 +13,10 @@ recall_tokens = --recall-tokens (default M). Every "did you see" question (every
 as many never shown) is asked of that one memory several times, side by side: with recall
 switched off (`<policy>`: the GPU tier alone, the answer as without a second tier), then with
 recall scoring the tiered chunks by each --summary kind of key summary (`<policy>+recall:<kind>`,
-recall.SUMMARY_KINDS; the memory's tiered chunks are re-summarized per kind), then with the
+recall.SUMMARY_KINDS; the memory's tiered chunks are re-summarized per kind) with the queries of
+the question's first full-attention layer (as the memory recalls), and with --queries
+every-layer also by every full-attention layer's queries from a prefill over the GPU tier
+(`<kind>/every-layer`), then with the
 `oracle`'s chunks: those where the asked object was in view, within the same recall tokens
 (what a perfect score could recall; nothing for a never-shown object). `recency+recall:mean` is
 ReKV's baseline (sinks and the recent window on the GPU, the mean key, the same budget). 95 %
@@ -23,6 +26,7 @@ recall had it in a GPU-held or a tiered chunk; recalled chunks per question; the
 with recall over the time without.
 
     python -m bench.recall --streams 8 --summary mean top-norm all-keys --out bench/results/recall
+    python -m bench.recall --streams 8 --summary top-norm --queries first every-layer --out DIR
     python -m bench.recall --hour --streams 4 --objects 3 --seconds 1800 3600 --out DIR
     python -m bench.recall --report a.jsonl b.jsonl --out bench/results/recall
 
@@ -38,6 +42,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -46,6 +51,7 @@ import numpy as np
 import torch
 
 from deltas_ros.core import memory as memory_module
+from deltas_ros.core.asking import recall_chunks
 from deltas_ros.core.loader import LoadedModel, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.policy import POLICY_NAMES
@@ -63,6 +69,8 @@ from .common import add_answers_args, finish, md_table, memory_config, run_answe
 RECALL = "+recall"
 NO_RECALL = "surprise"  # the default policy without recall: what recall is measured against
 ORACLE = "oracle"  # recall of the chunks where the asked object was in view: a perfect score
+EVERY_LAYER = "every-layer"  # queries from every full-attention layer (--queries)
+QUERIES = ("first", EVERY_LAYER)
 HOST_SLACK = 2.0  # host tier over the stream's K/V bytes (the key summaries, the last chunk)
 
 
@@ -123,11 +131,18 @@ def oracle_recall(events: list[dict], asked: tuple[str, str] | None) -> Iterator
         yield
 
 
+def kind_names(kinds: list[str], queries: list[str]) -> dict[str, tuple[str, str]]:
+    """{condition's kind: (summary kind, queries)}: `kind` with the first layer's queries,
+    `kind/every-layer` with every layer's."""
+    return {(kind if source == "first" else f"{kind}/{source}"): (kind, source)
+            for kind in kinds for source in queries}
+
+
 def asked_every_way(memory: StreamingMemory, stores: dict[str, TierStore], events: list[dict],
-                    qa: QA) -> dict[str, Answer]:
-    """{"": the answer without recall, kind: with recall from `kind`'s summaries, ORACLE: with
-    the oracle's chunks}, asked of the same memory one after the other, so that their times are
-    taken side by side."""
+                    qa: QA, queries: list[str]) -> dict[str, Answer]:
+    """{"": the answer without recall, name: with recall from its kind's summaries by its
+    queries (`kind_names`), ORACLE: with the oracle's chunks}, asked of the same memory one
+    after the other, so that their times are taken side by side."""
     config, tiers = memory.config, memory.tiers
     memory.config = replace(config, recall_tokens=0)
     try:
@@ -135,9 +150,11 @@ def asked_every_way(memory: StreamingMemory, stores: dict[str, TierStore], event
     finally:
         memory.config = config
     try:
-        for kind, store in stores.items():
-            memory.tiers = store
-            answers[kind] = memory.ask(qa.question)
+        for name, (kind, source) in kind_names(list(stores), queries).items():
+            memory.tiers = stores[kind]
+            with mock.patch.object(memory_module, "recall_chunks", partial(
+                    recall_chunks, every_layer=source == EVERY_LAYER)):
+                answers[name] = memory.ask(qa.question)
         memory.tiers = tiers
         with oracle_recall(events, asked_object(events, qa.question)):
             answers[ORACLE] = memory.ask(qa.question)
@@ -196,7 +213,8 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                         asked = asked_object(events, qa.question)
                         where = {"object_chunks_held": with_object(events, asked, held),
                                  "object_chunks_tiered": with_object(events, asked, tiered)}
-                        for kind, answer in asked_every_way(memory, stores, events, qa).items():
+                        for kind, answer in asked_every_way(memory, stores, events, qa,
+                                                              args.queries).items():
                             name = f"{policy}{RECALL}:{kind}" if kind else policy
                             out.write(record(
                                 stream, events, f"{name}@{fraction:g}", budget, qa, answer,
@@ -240,10 +258,11 @@ def policies(records: list[dict]) -> list[str]:
 
 
 def kinds(records: list[dict]) -> list[str]:
-    """The summary kinds recalled with, in SUMMARY_KINDS order, the oracle last."""
+    """The summary kinds recalled with, in SUMMARY_KINDS order (each by the first layer's
+    queries, then every layer's), the oracle last."""
     names = {r["condition"].split("@")[0].split(":")[1] for r in records
              if RECALL + ":" in r["condition"]}
-    return [k for k in (*SUMMARY_KINDS, ORACLE) if k in names]
+    return [k for k in (*kind_names(list(SUMMARY_KINDS), list(QUERIES)), ORACLE) if k in names]
 
 
 def recalled(policy: str, kind: str) -> str:
@@ -380,6 +399,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the hour world: --objects objects of its own per 5-minute part")
     parser.add_argument("--summary", nargs="+", default=["mean"], choices=SUMMARY_KINDS,
                         help="key summaries to recall with, each over the same memory")
+    parser.add_argument("--queries", nargs="+", default=["first"], choices=QUERIES,
+                        help="the question's queries that score: its first full-attention "
+                        "layer's (as the memory recalls) and/or every layer's")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     add_answers_args(parser)
     args, results, records, _ = run_answers("recall", parser, argv, evaluate)
@@ -390,7 +412,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     body = ("\"Did you see ...?\", shown and never shown together, % correct (95 % Wilson "
             "interval, questions). `<policy>`: the GPU tier alone at budget M; "
             "`<policy>+recall:<kind>`: the same memory with recall from a host tier holding the "
-            "whole stream, chunks scored by their `<kind>` key summary (`oracle`: the chunks "
+            "whole stream, chunks scored by their `<kind>` key summary (`/every-layer`: "
+            "by every full-attention layer's queries, else the first's; `oracle`: the chunks "
             "where the asked object was in view, within the same recall tokens):\n\n"
             + accuracy(records))
     body += ("\nThe questions about shown objects alone:\n\n" + accuracy(records, True))

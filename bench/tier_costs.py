@@ -21,7 +21,9 @@ How, three parts in one run (each skipped with 0 for its length):
   tier: random keys and values of the cache's layout, --chunk-tokens a chunk (what an hour of
   the stream evicts, without an hour of forwards on this CPU). --questions rounds, each asks
   with recall off, then at each --recall-tokens (default 1024 and M), over the same memory,
-  without evidence; the medians, their ratio to recall off, and the chunks recalled. Then
+  without evidence; the medians, their ratio to recall off, and the chunks recalled
+  (--every-layer: also scored by every full-attention layer's queries, from a whole prefill of
+  the question over the GPU tier, asked in the same rounds). Then
   (--cold-disk) the same hour in a disk tier instead, each question read cold (the tier's files
   dropped from the page cache first, `posix_fadvise`): the figure from a cold disk.
 
@@ -42,11 +44,15 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
+from deltas_ros.core import memory as memory_module
+from deltas_ros.core.asking import recall_chunks
 from deltas_ros.core.memory import StreamingMemory
 from deltas_ros.core.tiers import MB, TierPiece, TierStore
 
@@ -186,25 +192,31 @@ def question_part(args: argparse.Namespace) -> dict[str, Any]:
     fill_tier(memory, args.tier_seconds, args.chunk_tokens, args.seed)
     stats = memory.tiers.current_stats()
     config = memory.config
-    times_ms: dict[int, list[float]] = {tokens: [] for tokens in [0, *sizes]}
-    recalled: dict[int, list[int]] = {tokens: [] for tokens in sizes}
+    asked = [(0, False), *((tokens, every) for tokens in sizes
+                           for every in (False, True)[:1 + args.every_layer])]
+    times_ms: dict[tuple[int, bool], list[float]] = {key: [] for key in asked}
+    recalled: dict[tuple[int, bool], list[int]] = {key: [] for key in asked}
     for _ in range(args.questions):
-        for tokens in times_ms:
+        for tokens, every in asked:
             memory.config = replace(config, recall_tokens=tokens)
-            answer = memory.ask(QUESTION)
-            times_ms[tokens].append(answer.latency_ms)
-            if tokens:
-                recalled[tokens].append(answer.recalled_chunks)
-            progress(f"question: recall_tokens {tokens}: {answer.latency_ms:.0f} ms")
+            with mock.patch.object(memory_module, "recall_chunks",
+                                   partial(recall_chunks, every_layer=every)):
+                answer = memory.ask(QUESTION)
+            times_ms[tokens, every].append(answer.latency_ms)
+            recalled[tokens, every].append(answer.recalled_chunks)
+            progress(f"question: recall_tokens {tokens}{', every layer' * every}: "
+                     f"{answer.latency_ms:.0f} ms")
     cold = cold_disk(memory, args, sizes) if args.cold_disk else {}
     memory.close()
-    off = median(times_ms[0])
+    off = median(times_ms[0, False])
     return {"kv_tokens": memory.kv_tokens, "tier_chunks": stats.host_chunks,
-            "tier_bytes": stats.host_bytes, "off_ms": off, "rounds": times_ms,
-            "recall": [{"recall_tokens": tokens, "ms": median(times_ms[tokens]),
-                        "ratio": median(times_ms[tokens]) / off,
-                        "recalled_chunks": median(recalled[tokens]),
-                        **cold.get(tokens, {})} for tokens in sizes],
+            "tier_bytes": stats.host_bytes, "off_ms": off, "rounds": list(times_ms.values()),
+            "recall": [{"recall_tokens": tokens, "every_layer": every,
+                        "ms": median(times_ms[tokens, every]),
+                        "ratio": median(times_ms[tokens, every]) / off,
+                        "recalled_chunks": median(recalled[tokens, every]),
+                        **({} if every else cold.get(tokens, {}))}
+                       for tokens, every in asked[1:]],
             "model": Path(args.config).name if args.config else "tiny"}
 
 
@@ -275,6 +287,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--recall-tokens", type=int, nargs="+", default=[1024, 0],
                         help="recall sizes measured side by side (0: M)")
     parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--every-layer", action="store_true",
+                        help="also ask with recall scored by every full-attention layer's "
+                        "queries")
     parser.add_argument("--cold-disk", action=argparse.BooleanOptionalAction, default=True,
                         help="also ask with the hour in a disk tier, read cold")
     parser.add_argument("--disk-dir", default=None,
@@ -325,7 +340,8 @@ def long_report(g: dict[str, Any]) -> str:
 
 
 def question_report(q: dict[str, Any]) -> str:
-    rows = [[c["recall_tokens"], f"{c['ms']:.0f}", f"{c['ratio']:.2f}", c["recalled_chunks"],
+    rows = [[f"{c['recall_tokens']}{' (every layer)' * c['every_layer']}", f"{c['ms']:.0f}",
+             f"{c['ratio']:.2f}", c["recalled_chunks"],
              verdict(c["ratio"] <= MAX_QUESTION_RATIO),
              f"{c['cold_disk_ms']:.0f} ({c['from_disk']:.0f} read)" if "cold_disk_ms" in c
              else "-"] for c in q["recall"]]

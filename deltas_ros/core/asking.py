@@ -158,11 +158,17 @@ def proxy_saliency(backend: Backend, ids: torch.Tensor, positions: torch.Tensor,
 
 def recall_chunks(backend: Backend, index: TierIndex, ids: list[int], position: int,
                   visible: torch.Tensor | None, since: float | None, until: float | None,
-                  budget: int) -> list[int]:
-    """The tiered chunks a question calls back (oldest first): its queries at every
-    full-attention layer, from a prefill of `ids` over the GPU tier's `visible` slots (undone),
-    score each tiered chunk of the window [since, until]; the best are taken up to `budget`
-    tokens (recall.choose_recall)."""
+                  budget: int, every_layer: bool = False) -> list[int]:
+    """The tiered chunks a question calls back (oldest first): its queries score each tiered
+    chunk of the window [since, until], and the best are taken up to `budget` tokens
+    (recall.choose_recall).
+
+    The queries are the first full-attention layer's (`Backend.first_queries`): below it
+    every layer is linear attention, so they are what the question's own prefill will compute
+    there whatever the view holds, and a forward of a few layers finds them. every_layer: every
+    full-attention layer's, from a whole prefill of `ids` over the GPU tier's `visible` slots
+    (undone), where the deeper layers' queries have read the GPU tier (bench.recall compares
+    the two)."""
     inside = torch.ones(len(index.chunks), dtype=torch.bool)
     if since is not None:
         inside &= index.times >= since
@@ -170,10 +176,15 @@ def recall_chunks(backend: Backend, index: TierIndex, ids: list[int], position: 
         inside &= index.times <= until
     if budget <= 0 or not inside.any():
         return []
-    with backend.undone(), backend.visible_slots(visible), backend.question_queries() as q:
-        backend.prefill_text(torch.tensor([ids]), text_positions(position, len(ids)))
+    text, positions = torch.tensor([ids]), text_positions(position, len(ids))
     picked = inside.nonzero().squeeze(1)
-    scores = recall_scores(torch.stack(q), index.summaries[picked])
+    if every_layer:
+        with backend.undone(), backend.visible_slots(visible), backend.question_queries() as q:
+            backend.prefill_text(text, positions)
+        scores = recall_scores(torch.stack(q), index.summaries[picked])
+    else:
+        queries = backend.first_queries(text, positions).unsqueeze(0)
+        scores = recall_scores(queries, index.summaries[:, :1][picked])
     return [index.chunks[int(picked[i])]
             for i in choose_recall(scores, index.tokens[picked], budget)]
 

@@ -20,6 +20,7 @@ that moves one fails naming it):
     modeling_qwen3_5.Qwen3_5Attention               .q_proj .q_norm .head_dim .scaling
                                                     .num_key_value_groups .layer_idx, called with
                                                     hidden_states= and position_embeddings=
+                                                    (forward and pre-forward hooks)
     modeling_qwen3_5.apply_rotary_pos_emb           (q, k, cos, sin) -> rotated (q, k)
     modeling_qwen3_5.rotate_half                    the pairing rope.rotate_half reproduces
     Qwen3_5TextRotaryEmbedding.recomposition_frequencies, .inv_freq
@@ -410,6 +411,32 @@ class Backend:
         with self._on_queries(lambda _module, q: queries.append(q[0].float().cpu())):
             yield queries
 
+    def first_queries(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(heads, L, head_dim) float32: the rotated queries of text ids (1, L) at positions
+        (3, 1, L) at the first full-attention layer. The layers below it are linear attention,
+        so these queries depend on the text and the linear-attention states alone, never on
+        the KV slots: the forward stops at that layer, and what it did is undone."""
+        first = next(module for module in self.model.modules()
+                     if isinstance(module, modeling_qwen3_5.Qwen3_5Attention)
+                     and module.layer_idx == self.full[0])
+        taken: list[torch.Tensor] = []
+
+        def take(module, args, kwargs) -> None:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            taken.append(_rotated_queries(module, hidden, kwargs["position_embeddings"])[0]
+                         .float().cpu())
+            raise _QueriesTaken
+
+        handle = first.register_forward_pre_hook(take, with_kwargs=True)
+        try:
+            with self.undone():
+                self.prefill_text(ids, positions)
+        except _QueriesTaken:
+            pass
+        finally:
+            handle.remove()
+        return taken[0]
+
     @contextmanager
     def _on_queries(self, use: Callable[[torch.nn.Module, torch.Tensor], None]
                     ) -> Iterator[None]:
@@ -426,6 +453,10 @@ class Backend:
         finally:
             for handle in hooks:
                 handle.remove()
+
+
+class _QueriesTaken(Exception):
+    """Stops a forward once `Backend.first_queries` has what it needs."""
 
 
 def _rotated_queries(module: torch.nn.Module, hidden: torch.Tensor, embeddings) -> torch.Tensor:

@@ -48,12 +48,16 @@ def test_full_memory_is_paired_at_every_budget_and_recall_costs_are_read_side_by
 @pytest.mark.slow  # streams through the shipped model
 def test_recall_bench_runs(tmp_path):
     recall.main(["--streams", "1", "--objects", "3", "--seconds", "24", "--fractions", "0.1",
-                 "--policies", "recency", "--summary", "mean", "top-norm", "--out",
-                 str(tmp_path)])
+                 "--policies", "recency", "--summary", "mean", "top-norm", "--queries", "first",
+                 "every-layer", "--out", str(tmp_path)])
     records = [json.loads(r) for r in (tmp_path / "recall.jsonl").read_text().splitlines()]
     conditions = {r["condition"] for r in records}
     assert conditions == {"full", "recency@0.1", "recency+recall:mean@0.1",
-                          "recency+recall:top-norm@0.1", "recency+recall:oracle@0.1"}
+                          "recency+recall:top-norm@0.1", "recency+recall:oracle@0.1",
+                          "recency+recall:mean/every-layer@0.1",
+                          "recency+recall:top-norm/every-layer@0.1"}
+    assert recall.kinds(records) == ["mean", "mean/every-layer", "top-norm",
+                                     "top-norm/every-layer", "oracle"]
     with_recall = [r for r in records if "+recall" in r["condition"]]
     assert all(r["tier_host_bytes"] > 0 and r["tier_lost"] == 0 for r in with_recall)
     assert all(r["recalled_chunks"] >= 0 and r["latency_ms"] > 0 for r in records)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from engine_helpers import assert_same_state, feed, frozen
 
+from deltas_ros.core.asking import text_positions
 from deltas_ros.core.config import MemoryConfig
 from deltas_ros.core.memory import StreamingMemory
 from deltas_ros.core.tiers import DISK
@@ -118,3 +119,22 @@ def test_second_tier_settings_are_checked():
         MemoryConfig(disk_budget_mb=1.0)
     with pytest.raises(ValueError, match=">= 0"):
         MemoryConfig(recall_tokens=-1)
+
+
+@torch.inference_mode()
+def test_the_first_layer_queries_are_the_prefills_whatever_the_view_holds(tiered):
+    memory = tiered()
+    feed(memory, range(8))
+    backend, before = memory.backend, frozen(memory)
+    ids = memory.layout.question_ids(memory.tokenizer, QUESTION)
+    text, positions = torch.tensor([ids]), text_positions(memory.next_position, len(ids))
+    first = backend.first_queries(text, positions)
+    assert_same_state(frozen(memory), before)
+    prefix_only = memory.slots.chunk < 0
+    for visible in (None, prefix_only.nonzero().squeeze(1)):
+        with backend.undone(), backend.visible_slots(visible), backend.question_queries() as q:
+            backend.prefill_text(text, positions)
+        assert first.shape == q[0].shape == (backend.model.config.text_config
+                                             .num_attention_heads, len(ids), first.shape[-1])
+        torch.testing.assert_close(first, q[0], rtol=0, atol=0)
+        assert not torch.equal(q[1], q[0])  # the deeper layer's queries did read the view
