@@ -83,11 +83,13 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     return 2 * layers * text.num_key_value_heads * head_dim * element
 
 
-def restocked(store: TierStore, kind: str) -> TierStore:
-    """A host tier holding `store`'s chunks, summarized by `kind` (recall.summarizer)."""
+def restocked(store: TierStore, kind: str, every_layer: bool) -> TierStore:
+    """A host tier holding `store`'s chunks, summarized by `kind` (recall.summarizer) at the
+    first full-attention layer or at every one."""
     index = store.index()
     other = TierStore(host_bytes=store.host_bytes, pending=len(index.chunks) + 1)
-    other.summarize = summarizer(kind, int(index.tokens.max()) if index.chunks else 1)
+    other.summarize = summarizer(kind, int(index.tokens.max()) if index.chunks else 1,
+                                 every_layer)
     for piece in store.load(index.chunks):
         other.put(piece)
     other.flush(timeout=600.0)
@@ -139,10 +141,11 @@ def kind_names(kinds: list[str], queries: list[str]) -> dict[str, tuple[str, str
 
 
 def asked_every_way(memory: StreamingMemory, stores: dict[str, TierStore], events: list[dict],
-                    qa: QA, queries: list[str]) -> dict[str, Answer]:
-    """{"": the answer without recall, name: with recall from its kind's summaries by its
-    queries (`kind_names`), ORACLE: with the oracle's chunks}, asked of the same memory one
-    after the other, so that their times are taken side by side."""
+                    qa: QA) -> dict[str, Answer]:
+    """{"": the answer without recall, name: with recall from the store of that name
+    (`kind_names`: its summaries, scored by its queries), ORACLE: with the oracle's chunks},
+    asked of the same memory one after the other, so that their times are taken side by
+    side."""
     config, tiers = memory.config, memory.tiers
     memory.config = replace(config, recall_tokens=0)
     try:
@@ -150,10 +153,10 @@ def asked_every_way(memory: StreamingMemory, stores: dict[str, TierStore], event
     finally:
         memory.config = config
     try:
-        for name, (kind, source) in kind_names(list(stores), queries).items():
-            memory.tiers = stores[kind]
+        for name, store in stores.items():
+            memory.tiers = store
             with mock.patch.object(memory_module, "recall_chunks", partial(
-                    recall_chunks, every_layer=source == EVERY_LAYER)):
+                    recall_chunks, every_layer=name.endswith(EVERY_LAYER))):
                 answers[name] = memory.ask(qa.question)
         memory.tiers = tiers
         with oracle_recall(events, asked_object(events, qa.question)):
@@ -203,7 +206,9 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                     for frames, times in chunks:
                         memory.add_chunk(frames, times)
                     memory.tiers.flush(timeout=600.0)
-                    stores = {kind: restocked(memory.tiers, kind) for kind in args.summary}
+                    stores = {name: restocked(memory.tiers, kind, source == EVERY_LAYER)
+                              for name, (kind, source)
+                              in kind_names(args.summary, args.queries).items()}
                     stats = memory.tiers.current_stats()
                     tier = {"recall_tokens": recall, "host_budget_bytes": int(host_mb * 2**20),
                             "tier_host_bytes": stats.host_bytes,
@@ -213,8 +218,7 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                         asked = asked_object(events, qa.question)
                         where = {"object_chunks_held": with_object(events, asked, held),
                                  "object_chunks_tiered": with_object(events, asked, tiered)}
-                        for kind, answer in asked_every_way(memory, stores, events, qa,
-                                                              args.queries).items():
+                        for kind, answer in asked_every_way(memory, stores, events, qa).items():
                             name = f"{policy}{RECALL}:{kind}" if kind else policy
                             out.write(record(
                                 stream, events, f"{name}@{fraction:g}", budget, qa, answer,

@@ -23,7 +23,8 @@ How, three parts in one run (each skipped with 0 for its length):
   with recall off, then at each --recall-tokens (default 1024 and M), over the same memory,
   without evidence; the medians, their ratio to recall off, and the chunks recalled
   (--every-layer: also scored by every full-attention layer's queries, from a whole prefill of
-  the question over the GPU tier, asked in the same rounds). Then
+  the question over the GPU tier, asked in the same rounds; the tier then keeps every layer's
+  key summaries, which both read). Then
   (--cold-disk) the same hour in a disk tier instead, each question read cold (the tier's files
   dropped from the page cache first, `posix_fadvise`): the figure from a cold disk.
 
@@ -54,6 +55,7 @@ import torch
 from deltas_ros.core import memory as memory_module
 from deltas_ros.core.asking import recall_chunks
 from deltas_ros.core.memory import StreamingMemory
+from deltas_ros.core.recall import summarizer
 from deltas_ros.core.tiers import MB, TierPiece, TierStore
 
 from .bounded_memory import rss_bytes
@@ -186,6 +188,8 @@ def question_part(args: argparse.Namespace) -> dict[str, Any]:
         args, pixel_budget=args.pixel_budget, window_tokens=args.budget // 8,
         evidence_candidates=0, max_new_tokens=args.max_new_tokens,
         host_budget_mb=math.ceil(host_mb), recall_tokens=max(sizes)))
+    if args.every_layer:
+        memory.tiers.summarize = summarizer("top-norm", 1, every_layer=True)
     for k, (frames, times) in enumerate(synthetic_chunks(options)):
         result = memory.add_chunk(frames, times)
         progress(f"question: fill chunk {k + 1}/{args.fill_chunks}, KV {result.kv_tokens}")

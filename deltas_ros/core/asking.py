@@ -179,6 +179,9 @@ def recall_chunks(backend: Backend, index: TierIndex, ids: list[int], position: 
     text, positions = torch.tensor([ids]), text_positions(position, len(ids))
     picked = inside.nonzero().squeeze(1)
     if every_layer:
+        if index.summaries.shape[1] != len(backend.full):
+            raise ValueError("every layer's queries need every layer's key summaries "
+                             "(recall.summarizer(..., every_layer=True))")
         with backend.undone(), backend.visible_slots(visible), backend.question_queries() as q:
             backend.prefill_text(text, positions)
         scores = recall_scores(torch.stack(q), index.summaries[picked])

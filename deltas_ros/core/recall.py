@@ -12,8 +12,9 @@ for every chunk at once. Summary kinds (`SUMMARY_KINDS`, made by `summarizer`):
 - `all-keys`: every key, scored the same way: what scoring token by token could reach, at the
   cost of keeping every key beside the index.
 
-`key_summary` is the kind the store keeps by default: `top-norm`. recall_reference.py writes
-each out one element at a time.
+`key_summary` is what the store keeps by default: `top-norm` at the first full-attention layer
+alone, the one layer whose queries the memory recalls by (asking.recall_chunks).
+recall_reference.py writes each kind out one element at a time.
 """
 
 from __future__ import annotations
@@ -55,23 +56,25 @@ def _padded(keys: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat([keys, keys[:, :, -1:].expand(-1, -1, size - keys.shape[2], -1)], 2)
 
 
-def summarizer(kind: str, chunk_tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def summarizer(kind: str, chunk_tokens: int, every_layer: bool = False
+               ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The summary function of `kind` (TierStore.summarize): keys (L, H_kv, n, D) -> the
-    chunk's summary; `chunk_tokens` bounds n (used by `all-keys` only)."""
-    if kind == "mean":
-        return mean_key
-    if kind == "top-norm":
-        return top_norm_keys
-    if kind == "all-keys":
-        return lambda keys: all_keys(keys, chunk_tokens)
-    raise ValueError(f"unknown summary kind {kind!r} (one of {', '.join(SUMMARY_KINDS)})")
+    chunk's summary of the first layer's keys (every_layer: of every layer's), its first axis
+    the layers kept; `chunk_tokens` bounds n (used by `all-keys` only)."""
+    if kind not in SUMMARY_KINDS:
+        raise ValueError(f"unknown summary kind {kind!r} (one of {', '.join(SUMMARY_KINDS)})")
+    summarize = {"mean": mean_key, "top-norm": top_norm_keys,
+                 "all-keys": lambda keys: all_keys(keys, chunk_tokens)}[kind]
+    return summarize if every_layer else lambda keys: summarize(keys[:1])
 
 
 def key_summary(keys: torch.Tensor) -> torch.Tensor:
-    """The summary a tier store keeps by default: `top_norm_keys`, (L, H_kv, n, D) ->
-    (L, H_kv, REPRESENTATIVES, D). On the busy streams it recalls the asked object where the
-    mean key recalls none (docs/evaluation.md, "Recall from the second tier")."""
-    return top_norm_keys(keys)
+    """The summary a tier store keeps by default: `top_norm_keys` of the first full-attention
+    layer, (L, H_kv, n, D) -> (1, H_kv, REPRESENTATIVES, D). On the busy streams it recalls the
+    asked object where the mean key recalls none (docs/evaluation.md, "Recall from the second
+    tier"); the other layers' would be kept for nothing (at 9B, 8x the memory: about 0.5 GB an
+    hour of stream)."""
+    return top_norm_keys(keys[:1])
 
 
 def recall_scores(queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:

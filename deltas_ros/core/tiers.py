@@ -62,7 +62,7 @@ class _Entry:
     tokens: int
     nbytes: int  # its tensors' bytes in host memory; its file's on disk
     mean_score: float
-    summary: torch.Tensor  # recall.key_summary of its keys: (L, H_kv, 4, D) float32 (top-norm)
+    summary: torch.Tensor  # recall.key_summary of its keys: (1, H_kv, 4, D) float32 (top-norm)
     first_position: int  # its first token's T position, as it would be read now
     tier: str = HOST
     piece: TierPiece | None = None  # without a pending shift (placed pieces are shifted)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_helpers import assert_same_state, feed, frozen
 
-from deltas_ros.core.asking import text_positions
+from deltas_ros.core.asking import recall_chunks, text_positions
 from deltas_ros.core.config import MemoryConfig
 from deltas_ros.core.memory import StreamingMemory
 from deltas_ros.core.tiers import DISK
@@ -138,3 +138,13 @@ def test_the_first_layer_queries_are_the_prefills_whatever_the_view_holds(tiered
                                              .num_attention_heads, len(ids), first.shape[-1])
         torch.testing.assert_close(first, q[0], rtol=0, atol=0)
         assert not torch.equal(q[1], q[0])  # the deeper layer's queries did read the view
+
+
+def test_every_layers_queries_need_every_layers_summaries(tiered):
+    memory = tiered()
+    feed(memory, range(8))
+    assert memory.tiers.flush(10.0)
+    ids = memory.layout.question_ids(memory.tokenizer, QUESTION)
+    with pytest.raises(ValueError, match="every layer's key summaries"):
+        recall_chunks(memory.backend, memory.tiers.index(), ids, memory.next_position, None,
+                      None, None, 64, every_layer=True)

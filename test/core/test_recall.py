@@ -54,9 +54,13 @@ def test_every_kind_summarizes_chunks_of_any_size_to_one_shape():
         summarizer("median", 9)
 
 
-def test_the_store_keeps_the_keys_of_largest_norm_by_default():
+def test_the_store_keeps_the_first_layers_keys_of_largest_norm_by_default():
     keys = keys_of(5, 3)
-    assert torch.equal(key_summary(keys), top_norm_keys(keys))
+    assert keys.shape[0] > 1
+    assert torch.equal(key_summary(keys), top_norm_keys(keys[:1]))
+    for kind in SUMMARY_KINDS:
+        assert summarizer(kind, 9)(keys).shape[0] == 1
+        assert summarizer(kind, 9, every_layer=True)(keys).shape[0] == keys.shape[0]
 
 
 @settings(max_examples=30, deadline=None)
@@ -65,7 +69,7 @@ def test_the_store_keeps_the_keys_of_largest_norm_by_default():
 def test_recall_scores_match_the_reference(chunks, tokens, groups, kind, seed):
     g = torch.Generator().manual_seed(seed)
     queries = torch.randn(LAYERS, HEADS * groups, tokens, DIM, generator=g)
-    summarize = summarizer(kind, chunk_tokens=6)
+    summarize = summarizer(kind, chunk_tokens=6, every_layer=True)
     summaries = torch.stack([summarize(keys_of(1 + (seed + c) % 6, seed + c))
                              for c in range(chunks)]) if chunks else torch.empty(0, 0, 0, 0)
     torch.testing.assert_close(recall_scores(queries, summaries),
