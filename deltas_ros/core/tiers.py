@@ -122,6 +122,7 @@ class TierStore:
                 stale.unlink()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._pending: deque[TierPiece | Evicted] = deque()
+        self._writing: list[TierPiece | Evicted] = []  # taken by the writer, not yet placed
         self._limit = pending
         self._lock = threading.Condition()
         self._busy = False
@@ -177,13 +178,18 @@ class TierStore:
 
     def chunks(self) -> list[TieredChunk]:
         """Every tiered chunk, oldest first, with its tokens and tier: for a viewer (read after
-        every chunk, so sorted again only after the entries changed)."""
+        every chunk, so sorted again only after the entries changed). What is on its way to
+        the writer counts too, in the tier it goes to first: an eviction is listed from the
+        moment it leaves the GPU tier, never missing from both."""
         with self._lock:
             if self._listed is None:
                 entries = sorted(self._entries.values(), key=lambda e: (e.time_s, e.chunk))
                 self._listed = [TieredChunk(e.chunk, e.time_s, e.tokens, e.tier)
                                 for e in entries]
-            return list(self._listed)
+            listed, coming = self._listed, [*self._writing, *self._pending]
+        if not coming:
+            return list(listed)
+        return _with_coming(listed, coming, HOST if self.host_bytes else DISK)
 
     def load(self, chunks: list[int]) -> list[TierPiece]:
         """The pieces of `chunks` at their current positions, from host memory or read back
@@ -311,10 +317,14 @@ class TierStore:
                 if self._closed:
                     return
                 item = self._pending.popleft()
+                self._writing = [item]
                 self._busy = True
             try:
-                for piece in _pieces(item):
-                    self._place(piece)
+                pieces = _pieces(item)
+                with self._lock:
+                    self._writing = list(pieces)
+                for k, piece in enumerate(pieces):
+                    self._place(piece, pieces[k + 1:])
                 if isinstance(item, Evicted):
                     with self._lock:
                         self._gone &= _still_held(item)
@@ -324,13 +334,13 @@ class TierStore:
                                                                   f"{error}"]
             finally:
                 with self._lock:
-                    self._busy = False
+                    self._busy, self._writing = False, []
                     self._lock.notify_all()
 
-    def _place(self, piece: TierPiece) -> None:
-        """Put a piece in the host tier, merged with what its chunk already has in a tier. Only
-        this thread adds or removes entries while it is busy (the others wait for it), so it
-        reads them unlocked."""
+    def _place(self, piece: TierPiece, after: list[TierPiece]) -> None:
+        """Put a piece in the host tier, merged with what its chunk already has in a tier;
+        `after`: the item's pieces still to place. Only this thread adds or removes entries
+        while it is busy (the others wait for it), so it reads them unlocked."""
         whole = piece.at_shift(self.rotate)
         if (entry := self._entries.get(piece.chunk)) is not None:
             whole = self._read(entry).merged(whole)
@@ -340,6 +350,7 @@ class TierStore:
                 self._forget(entry)
             entry = self._entries[piece.chunk] = _Entry.of(whole, summary)
             self._count(entry, +1, HOST)
+            self._writing = after
         self._spill()
 
     def _read(self, entry: _Entry) -> TierPiece:
@@ -415,6 +426,26 @@ def _rotated(rotate: Rotate | None, summary: torch.Tensor, shift: int) -> torch.
 
 def _pieces(item: TierPiece | Evicted) -> list[TierPiece]:
     return item.pieces() if isinstance(item, Evicted) else [item]
+
+
+def _with_coming(listed: list[TieredChunk], coming: list[TierPiece | Evicted],
+                 tier: str) -> list[TieredChunk]:
+    """`listed` with the chunks of the queued items added (their tokens to a listed chunk's,
+    a new chunk in `tier`), oldest first. An eviction's chunks are counted off its slot table,
+    without splitting its K/V."""
+    by_index = {c.index: c for c in listed}
+    for item in coming:
+        if isinstance(item, Evicted):
+            ids, counts = item.table.chunk[item.slots].unique(return_counts=True)
+            arrivals = [(c, item.table.chunk_time(c), n)
+                        for c, n in zip(ids.tolist(), counts.tolist())]
+        else:
+            arrivals = [(item.chunk, item.time_s, item.tokens)]
+        for index, time_s, tokens in arrivals:
+            known = by_index.get(index)
+            by_index[index] = (TieredChunk(index, time_s, tokens, tier) if known is None
+                               else known._replace(tokens=known.tokens + tokens))
+    return sorted(by_index.values(), key=lambda c: (c.time, c.index))
 
 
 def _still_held(evicted: Evicted) -> set[int]:

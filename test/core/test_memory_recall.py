@@ -53,6 +53,16 @@ def test_evicted_slots_are_tiered_as_they_were_cached(tiered):
     assert set(memory.slots.chunk[held].tolist()) | set(index.chunks) == set(range(8))
 
 
+def test_an_evicted_chunk_is_listed_at_once_in_the_tier(tiered):
+    memory = tiered()
+    fed = sum(r.chunk_tokens for r in feed(memory, range(8)))
+    stats = memory.stats()  # no flush: the writer may not have placed the last eviction yet
+    held = int((memory.slots.chunk >= 0).sum())
+    assert held + sum(c.tokens for c in stats.tiered) == fed
+    assert memory.tiers.flush(10.0)
+    assert memory.stats().tiered == stats.tiered
+
+
 def test_a_question_calls_back_tiered_chunks_and_leaves_the_memory_bitwise(tiered):
     memory = tiered()
     feed(memory, range(8))

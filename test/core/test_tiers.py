@@ -109,6 +109,29 @@ def test_a_chunk_dropped_twice_is_counted_once(store_factory):
     assert store.current_stats().dropped_chunks == 1
 
 
+def test_the_viewers_list_counts_what_is_on_its_way_to_the_writer(store_factory):
+    store = store_factory(host_bytes=10 * PIECE_BYTES, directory=None)
+    store.put(piece(0))
+    assert store.flush(5.0)
+    gate, started = threading.Event(), threading.Event()
+
+    def held_summary(keys: torch.Tensor) -> torch.Tensor:
+        started.set()
+        assert gate.wait(5.0)
+        return key_summary(keys)
+
+    store.summarize = held_summary
+    for item in (piece(2, tokens=2), piece(1), piece(0, tokens=2)):
+        store.put(item)
+    assert started.wait(5.0)  # the writer holds chunk 2's piece, the others wait in the queue
+    coming = store.chunks()
+    gate.set()
+    assert store.flush(5.0)
+    assert [(c.index, c.tokens, c.tier) for c in coming] == [(0, 5, HOST), (1, 3, HOST),
+                                                             (2, 2, HOST)]
+    assert store.chunks() == coming
+
+
 def test_pieces_of_one_chunk_merge_and_their_summary_is_their_mean_key(store_factory):
     store = store_factory(host_bytes=10 * PIECE_BYTES, disk_bytes=10 * PIECE_BYTES)
     first, second = piece(7, tokens=2, seed=1), piece(7, tokens=3, seed=2)
@@ -136,8 +159,8 @@ def test_a_piece_of_a_chunk_on_disk_brings_it_back_to_host_memory(store_factory)
 def test_a_writer_behind_drops_the_oldest_pending_piece_and_counts_it(store_factory):
     store = store_factory(host_bytes=100 * PIECE_BYTES, pending=2)
     entered, gate = threading.Event(), threading.Event()
-    place = store._place
-    store._place = lambda p: (entered.set(), gate.wait(5.0), place(p))  # stuck on its first
+    # the writer stuck on its first piece
+    store.summarize = lambda keys: (entered.set(), gate.wait(5.0), key_summary(keys))[2]
     store.put(piece(0))
     assert entered.wait(5.0)
     for chunk in range(1, 5):
