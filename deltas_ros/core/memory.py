@@ -51,7 +51,7 @@ from .poses import Pose
 from .prompt import THINK_END, ChatLayout
 from .results import Answer, ChunkResult, MemoryState, MemoryStats
 from .signals import layer_mean
-from .slot_table import PREFIX_CHUNK, SlotTable
+from .slot_table import PREFIX_CHUNK, ChunkSlots, SlotTable
 from .state_check import check_state
 from .tiers import DISK, Evicted, TierPiece, TierStore
 
@@ -291,10 +291,9 @@ class StreamingMemory:
         recalled, from_disk = self._recall(ids, allowed, since, until)
         if on_recall is not None and self.tiers is not None:
             on_recall(len(recalled), from_disk)
-        slots = self.slots
-        for piece in recalled:  # the question's view: recalled slots after the cached ones
-            slots = slots.append(piece.time_s, piece.chunk, piece.score, piece.position,
-                                 piece.stamp, piece.pose)
+        slots = self.slots.extend([  # the question's view: recalled slots after the cached ones
+            ChunkSlots(p.time_s, p.chunk, p.score, p.position, p.stamp, p.pose)
+            for p in recalled])
         if allowed is not None:
             allowed = torch.cat([allowed, torch.ones(len(slots) - len(allowed), dtype=bool)])
 

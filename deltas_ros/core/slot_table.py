@@ -41,6 +41,17 @@ MAX_CHUNKS = 2**31  # chunk indices and counters fit a signed 32-bit field
 MAX_ARRIVAL = 2**62  # arrival ranks: tokens of a stream, far from int64's end
 
 
+class ChunkSlots(NamedTuple):
+    """One chunk's slots to add (SlotTable.extend): scores (n,), positions (3, n) or (3, 1, n)
+    as fed to the model."""
+    time_s: float
+    chunk: int
+    scores: torch.Tensor
+    positions: torch.Tensor
+    stamp: float | None = None
+    pose: Pose | None = None
+
+
 class Move(NamedTuple):
     """Slots source..source+count-1 copied to slots to..to+count-1 (an eviction's fill)."""
     to: int
@@ -70,20 +81,29 @@ class SlotTable:
 
         scores: (n,) one per slot; positions: (3, n) or (3, 1, n) as fed to the model.
         """
-        positions = positions.reshape(3, -1).long().cpu()
-        n = positions.shape[1]
-        stamp = None if stamp is None else float(stamp)
-        stamps = self.stamps if chunk == PREFIX_CHUNK else {**self.stamps, chunk: stamp}
-        poses = self.poses if chunk == PREFIX_CHUNK else {**self.poses, chunk: pose}
+        return self.extend([ChunkSlots(time_s, chunk, scores, positions, stamp, pose)])
+
+    def extend(self, chunks: Sequence[ChunkSlots]) -> SlotTable:
+        """The table with the chunks' slots added at the end, in order: one copy of the table
+        however many chunks (a question's recalled chunks may be hundreds)."""
+        if not chunks:
+            return self
+        positions = [c.positions.reshape(3, -1).long().cpu() for c in chunks]
+        sizes = [p.shape[1] for p in positions]
+        n = sum(sizes)
+        held = [c for c in chunks if c.chunk != PREFIX_CHUNK]
         return SlotTable(
-            torch.cat([self.time, torch.full((n,), time_s, dtype=torch.float64)]),
-            torch.cat([self.score, scores.float().cpu()]),
-            torch.cat([self.chunk, torch.full((n,), chunk, dtype=torch.long)]),
-            torch.cat([self.position, positions], 1),
-            stamps,
+            torch.cat([self.time, *(torch.full((k,), c.time_s, dtype=torch.float64)
+                                    for c, k in zip(chunks, sizes))]),
+            torch.cat([self.score, *(c.scores.float().cpu() for c in chunks)]),
+            torch.cat([self.chunk, *(torch.full((k,), c.chunk, dtype=torch.long)
+                                     for c, k in zip(chunks, sizes))]),
+            torch.cat([self.position, *positions], 1),
+            {**self.stamps, **{c.chunk: None if c.stamp is None else float(c.stamp)
+                               for c in held}},
             torch.cat([self.arrival, torch.arange(self.next_arrival, self.next_arrival + n)]),
             self.next_arrival + n,
-            poses,
+            {**self.poses, **{c.chunk: c.pose for c in held}},
         )
 
     def keep_slots(self, kept: torch.Tensor) -> tuple[SlotTable, list[Move]]:

@@ -22,7 +22,7 @@ from deltas_ros.core.persistence import load_memory, save_memory
 from deltas_ros.core.policy import POLICY_NAMES, EvictionLimits, select_keep
 from deltas_ros.core.policy_reference import held_chunks_reference
 from deltas_ros.core.poses import Pose
-from deltas_ros.core.slot_table import PREFIX_CHUNK, SlotTable
+from deltas_ros.core.slot_table import PREFIX_CHUNK, ChunkSlots, SlotTable
 
 STREAM = dict(budget_tokens=150, window_tokens=40, max_new_tokens=3, **TINY_FRAMES)
 
@@ -44,6 +44,24 @@ def table(sizes: list[int]) -> SlotTable:
 def arrival_view(slots: SlotTable) -> dict[str, torch.Tensor]:
     order = slots.arrival_order()
     return {name: t[..., order] for name, t in slots.export().items()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=10), base=st.integers(1, 4))
+def test_extending_by_many_chunks_at_once_equals_appending_them_one_by_one(sizes, base):
+    start = table(list(range(1, base + 1)))
+    chunks = [ChunkSlots(100.0 + c, 50 + c, torch.rand(n), torch.arange(n).expand(3, 1, -1),
+                         None if c % 2 else 7.0 + c, Pose("map", (float(c), 1.0, 0.0)))
+              for c, n in enumerate(sizes)]
+    one_by_one = start
+    for c in chunks:
+        one_by_one = one_by_one.append(*c)
+    at_once = start.extend(chunks)
+    for name, tensor in one_by_one.export().items():
+        assert torch.equal(at_once.export()[name], tensor), name
+    assert (at_once.stamps, at_once.poses, at_once.next_arrival) == (
+        one_by_one.stamps, one_by_one.poses, one_by_one.next_arrival)
+    assert start.extend([]) is start
 
 
 @settings(max_examples=60, deadline=None)
