@@ -88,14 +88,17 @@ class SlotTable:
         however many chunks (a question's recalled chunks may be hundreds)."""
         if not chunks:
             return self
-        positions = [c.positions.reshape(3, -1).long().cpu() for c in chunks]
+        positions, scores = [], []
+        for c in chunks:
+            positions.append(c.positions.reshape(3, -1).long().cpu())
+            scores.append(c.scores.float().cpu())
         sizes = [p.shape[1] for p in positions]
         n = sum(sizes)
         held = [c for c in chunks if c.chunk != PREFIX_CHUNK]
         return SlotTable(
             torch.cat([self.time, *(torch.full((k,), c.time_s, dtype=torch.float64)
                                     for c, k in zip(chunks, sizes))]),
-            torch.cat([self.score, *(c.scores.float().cpu() for c in chunks)]),
+            torch.cat([self.score, *scores]),
             torch.cat([self.chunk, *(torch.full((k,), c.chunk, dtype=torch.long)
                                      for c, k in zip(chunks, sizes))]),
             torch.cat([self.position, *positions], 1),

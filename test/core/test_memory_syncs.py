@@ -34,7 +34,7 @@ DEVICE_SYNCS = {("drift.py", "drift_of_views", "tolist")}  # the one: 2L norms, 
 TOKEN_SYNCS = {("signals.py", "layer_mean", "cpu")}  # per-token policies: the chunk's n scores
 HOST_TABLE = {  # slot table, selection and chunk inputs: host tensors by design
     ("chunks.py", "build", "tolist"),  # the chunk's grid, before it goes to the device
-    ("slot_table.py", "append", "cpu"),  # host positions / scores: a no-op on host tensors
+    ("slot_table.py", "extend", "cpu"),  # host positions / scores: a no-op on host tensors
     # numpy views of the host slot table (.numpy() raises on a device tensor: never a sync)
     ("memory.py", "slots_to_keep", "numpy"), ("slot_table.py", "arrival_order", "numpy"),
     ("slot_table.py", "keep_slots", "numpy"), ("slot_table.py", "moved", "numpy"),
