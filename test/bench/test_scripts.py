@@ -242,3 +242,18 @@ def test_retention(tmp_path):
         for row in per_fraction.values():
             assert 0 <= row["event_fraction"] <= 1 and 0 < row["chance"] <= 1
             assert row["event_chunks"] == stream["event_chunks"]
+
+
+def test_plan_check_runs_a_second_tier_to_its_budget_and_recalls(tmp_path, tiny_model_dir):
+    """scripts/plan_check.py (docs/robot.md) on the tiny model: the plan of so small a model is
+    mostly the first forward's one-off allocations, so only the run is checked here."""
+    out = tmp_path / "plan.json"
+    script = Path(__file__).parents[2] / "scripts" / "plan_check.py"
+    subprocess.run([sys.executable, str(script), "--model", str(tiny_model_dir), "--budget",
+                    "2048", "--host-budget-mb", "0.5", "--recall-tokens", "128",
+                    "--tolerance", "100", "--out", str(out)], check=True, timeout=600)
+    figures = json.loads(out.read_text())
+    assert figures["recalled_chunks"] >= 1 and figures["recall_tokens"] == 128
+    assert 0.4 * 2**20 < figures["tier_host_bytes"] <= 0.5 * 2**20  # full, within its budget
+    assert figures["plan"]["host_tier_bytes"] == 0.5 * 2**20
+    assert figures["peak_added"] > 0
