@@ -260,15 +260,43 @@ def send_goal(client: ActionClient, goal, timeout: float = 60.0,
 
     Jazzy's rclpy registers a goal request only after sending it, so the Tester's spin thread
     can take the response first and drop it ("Ignoring unexpected goal response"): a goal
-    unanswered for half the timeout is sent once more (a question leaves the memory as it was,
-    and the first goal's feedback is not ours to collect)."""
+    unanswered for half the timeout is sent once more (a question leaves the memory as it was).
+    The server runs the first goal too; only the answered goal's feedback is collected."""
     assert client.wait_for_server(timeout_sec=30), "no ask action server"
-    on_feedback = None if feedback is None else (lambda msg: feedback.append(msg.feedback))
-    for _ in range(2):
-        future = client.send_goal_async(goal, feedback_callback=on_feedback)
+    feedback_of = _AnsweredFeedback(feedback)
+    for attempt in range(2):
+        future = client.send_goal_async(
+            goal, feedback_callback=None if feedback is None else feedback_of.callback(attempt))
         if wait_until(future.done, timeout / 2):
+            feedback_of.answered(attempt)
             return future.result()
     raise AssertionError("timed out: no goal response")
+
+
+class _AnsweredFeedback:
+    """Routes the feedback of `send_goal`'s attempts: the answered attempt's goes to `out`,
+    including what arrived before its goal response (held until then); the others' is dropped."""
+
+    def __init__(self, out: list | None) -> None:
+        self.out, self.lock = out, threading.Lock()
+        self.chosen: int | None = None
+        self.early: dict[int, list] = {}
+
+    def callback(self, attempt: int):
+        def on_feedback(msg) -> None:
+            with self.lock:
+                if self.chosen is None:
+                    self.early.setdefault(attempt, []).append(msg.feedback)
+                elif self.chosen == attempt:
+                    self.out.append(msg.feedback)
+        return on_feedback
+
+    def answered(self, attempt: int) -> None:
+        with self.lock:
+            self.chosen = attempt
+            if self.out is not None:
+                self.out.extend(self.early.pop(attempt, []))
+            self.early.clear()
 
 
 def set_parameter(tester: Tester, name: str, value: int):
