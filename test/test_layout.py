@@ -120,7 +120,8 @@ def test_only_the_door_loader_maker_and_training_name_transformers():
     """An upgrade of transformers can only break these (docs/architecture.md)."""
     users = {m for m in modules() if "transformers" in source(m)}
     assert users == {"core.backend", "core.kernels", "core.evidence_forward", "core.loader",
-                     "core.model_maker", "training.cache", "training.samples"}
+                     "core.model_maker", "training.cache", "training.gated_delta",
+                     "training.samples"}
 
 
 def import_graph() -> dict[str, set[str]]:

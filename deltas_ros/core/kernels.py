@@ -40,8 +40,11 @@ def fla_available() -> bool:
                                          "fused_recurrent_gated_delta_rule"))
 
 
-def select_gated_delta_kernels(model: torch.nn.Module, device: torch.device) -> bool:
-    """Give each Gated DeltaNet module of `model` its kernels: fla's on CUDA, torch elsewhere.
+def select_gated_delta_kernels(model: torch.nn.Module, device: torch.device,
+                               chunk: Callable | None = None) -> bool:
+    """Give each Gated DeltaNet module of `model` its kernels: fla's on CUDA, torch elsewhere
+    (`chunk`, when given, in place of torch's chunked kernel: training's, whose backward is
+    linear in the chunks).
 
     transformers binds fla's Triton kernels at import time whenever `fla.ops` imports, without
     checking for a GPU, and they crash on a CPU-only machine. Instead of rebinding the module's
@@ -49,7 +52,7 @@ def select_gated_delta_kernels(model: torch.nn.Module, device: torch.device) -> 
     Returns whether fla's kernels are in use.
     """
     use_fla = device.type == "cuda" and fla_available()
-    forward = gated_delta_forward(use_fla)
+    forward = gated_delta_forward(use_fla, None if use_fla else chunk)
     for module in model.modules():
         if isinstance(module, modeling_qwen3_5.Qwen3_5GatedDeltaNet):
             module.forward = types.MethodType(forward, module)
@@ -57,12 +60,14 @@ def select_gated_delta_kernels(model: torch.nn.Module, device: torch.device) -> 
 
 
 @functools.cache
-def gated_delta_forward(use_fla: bool) -> types.FunctionType:
+def gated_delta_forward(use_fla: bool, chunk_kernel: Callable | None = None
+                        ) -> types.FunctionType:
     """Qwen3_5GatedDeltaNet.forward's code over a copy of its globals with our kernels."""
     raw = inspect.unwrap(modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward)
     chunk, recurrent = (getattr(modeling_qwen3_5, name) for name in KERNEL_NAMES)
     if not use_fla:
         chunk, recurrent = inspect.unwrap(chunk), inspect.unwrap(recurrent)
+    chunk = chunk_kernel or chunk
 
     def recording_chunk(query, key, value, g, beta, initial_state=None, **kwargs):
         recording = _RECORDING.get()

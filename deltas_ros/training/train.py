@@ -55,6 +55,7 @@ from ..core.model_maker import (
 )
 from ..core.prompt import ChatLayout
 from .config import TrainConfig
+from .gated_delta import chunk_gated_delta_rule
 from .palette import COLOURS, SHAPES, identities
 from .questions import (
     DOMAIN_WORDS,
@@ -190,7 +191,7 @@ class Trainer:
         torch.set_num_threads(cfg.threads)
         self.tokenizer = scene_tokenizer(cfg.extended)
         self.model = new_model(cfg, self.tokenizer).to(self.device)
-        select_gated_delta_kernels(self.model, self.device)
+        select_gated_delta_kernels(self.model, self.device, chunk=chunk_gated_delta_rule)
         self.builder = ChunkBuilder.for_model(self.model, self.tokenizer, cfg.pixel_budget)
         self.layout = ChatLayout.from_tokenizer(self.tokenizer)
         decay, rest = [], []

@@ -27,6 +27,7 @@ from bench import (
     node_path,
     real_size,
     retention,
+    train_step,
 )
 from bench.common import bench_model, verdict
 from deltas_ros.core.model_maker import config_from_file
@@ -112,6 +113,13 @@ def test_memory_view(tmp_path):
     assert all(r["image_ms"] > 0 and r["chunks_ms"] > 0 and r["markers_ms"] > 0 for r in rows)
     # DELETEALL, arrows (at most 64), labels (at most 12), the path, 3 evidence arrows + labels
     assert [r["marker_count"] for r in rows] == [1 + 5 + 5 + 1 + 6, 1 + 64 + 12 + 1 + 6]
+
+
+def test_train_step_runs_both_kernels_to_the_same_loss(tmp_path):
+    train_step.main(["--seconds", "4", "--rounds", "2", "--out", str(tmp_path)])
+    (row,) = written(tmp_path, "train_step")["rows"]
+    assert [len(t) for t in row["times_s"].values()] == [2, 2] and row["ratio"] > 0
+    assert row["loss_difference"] < 1e-5 and row["largest_gradient_difference"] < 1e-4
 
 
 def test_real_size_smoke_runs_both_dtypes_on_the_cpu(tmp_path):

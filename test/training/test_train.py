@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from deltas_ros.core.chunks import ChunkBuilder
+from deltas_ros.core.kernels import gated_delta_forward, linear_attention_modules
 from deltas_ros.core.loader import LoadedModel, load_model, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.prompt import ChatLayout
 from deltas_ros.training.config import Stage, TrainConfig, VisionPretrain
+from deltas_ros.training.gated_delta import chunk_gated_delta_rule
 from deltas_ros.training.palette import COLOURS, SHAPES
 from deltas_ros.training.samples import (
     VISION_SEEDS,
@@ -129,6 +131,10 @@ def test_train_checkpoint_export_and_resume(tmp_path):
     assert resumed.step == 2 and resumed.vision_steps == 2  # the vision phase is not redone
     resumed.run()
     assert resumed.step == 3
+    # its Gated DeltaNet layers run training's scan (linear backward), not transformers'
+    deltanets = linear_attention_modules(resumed.model)
+    scan = gated_delta_forward(False, chunk_gated_delta_rule)
+    assert deltanets and all(m.forward.__func__ is scan for m in deltanets)
     for (name, a), b in zip(straight.model.state_dict().items(),
                             resumed.model.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
