@@ -28,7 +28,9 @@ spends bytes changes one function:
 
 - the host tier (`host_budget_mb`) where host and device share one memory: on the CPU, and on
   an integrated GPU such as a Jetson's (`shares_host_memory`); a discrete GPU's plan leaves it
-  out (it lives in host RAM).
+  out (it lives in host RAM). With it, the key summaries of every chunk both tiers hold
+  (`disk_budget_mb` too: a disk chunk's summary stays in memory for recall), outside both
+  budgets.
 
 The plan leaves out what the process holds before the model (interpreter, libraries: measured
 about 0.75 GB on CPU with torch imported) and the CUDA context: they are already in use when
@@ -49,6 +51,7 @@ from .config import DEFAULT_PIXEL_BUDGET, MemoryConfig, StreamConfig
 from .evidence_forward import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
 from .kv_ops import EVIDENCE_SLICE_ELEMENTS
 from .loader import Qwen3_5Config, parameter_count, read_config, resolve_device, resolve_dtype
+from .recall import REPRESENTATIVES
 
 # Text tokens of a chunk besides its video tokens: "<123.4 seconds>" (Qwen's tokenizer splits
 # digits: about 8 tokens) and <|vision_start|>, <|vision_end|>.
@@ -73,6 +76,7 @@ class PlanInputs:
     evidence_candidates: int = MemoryConfig.evidence_candidates
     recall_tokens: int = 0
     host_tier_bytes: int = 0  # the second tier's host budget (counted where memory is shared)
+    disk_tier_bytes: int = 0  # its disk budget (whose chunks' key summaries stay in memory)
 
     @property
     def view_tokens(self) -> int:
@@ -146,6 +150,7 @@ class Plan:
     recall_tokens: int
     recall_bytes: int
     host_tier_bytes: int
+    tier_summary_bytes: int
     resident_bytes: int
     peak_bytes: int
     tokens_per_chunk: int
@@ -178,6 +183,9 @@ class Plan:
         if self.host_tier_bytes:
             rows.append(("host tier", self.host_tier_bytes,
                          "host_budget_mb: this device shares the host's memory"))
+        if self.tier_summary_bytes:
+            rows.append(("tier key summaries", self.tier_summary_bytes,
+                         "one per chunk both tiers hold, kept in memory for recall"))
         lines = [f"{name:<26}{mib(size):>12}  {note}" for name, size, note in rows]
         verdict = "fits" if self.fits else "does NOT fit"
         lines += [f"{'peak':<26}{mib(self.peak_bytes):>12}  resident "
@@ -339,6 +347,17 @@ def available_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read the available memory (/proc/meminfo has no MemAvailable)")
 
 
+def tier_summary_bytes(shape: Shape, inputs: PlanInputs, tokens_per_chunk: int,
+                       dtype_bytes: int) -> int:
+    """The key summaries (recall.key_summary: REPRESENTATIVES float32 keys per KV head of the
+    first full-attention layer) of as many whole chunks as both tiers' budgets hold."""
+    tiered = inputs.host_tier_bytes + inputs.disk_tier_bytes
+    if not tiered:
+        return 0
+    chunks = math.ceil(tiered / (tokens_per_chunk * kv_bytes_per_token(shape, dtype_bytes)))
+    return chunks * shape.kv_heads * REPRESENTATIVES * shape.head_dim * 4
+
+
 def shares_host_memory(device: torch.device) -> bool:
     """Whether `device`'s memory is the host's: the CPU, or an integrated GPU (a Jetson). A
     CUDA device this machine does not have (a plan for another machine) counts as discrete."""
@@ -359,9 +378,11 @@ def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
     per_token = kv_bytes_per_token(shape, size)
     states, conv = state_bytes(shape), conv_state_bytes(shape, size)
     weights = shape.parameters * size
-    host_tier = inputs.host_tier_bytes if inputs.host_tier_bytes and shares_host_memory(
-        device) else 0
-    resident = weights + inputs.budget_tokens * per_token + 3 * (states + conv) + host_tier
+    shared = shares_host_memory(device)
+    host_tier = inputs.host_tier_bytes if shared else 0
+    summaries = tier_summary_bytes(shape, inputs, tokens, size) if shared else 0
+    resident = (weights + inputs.budget_tokens * per_token + 3 * (states + conv) + host_tier
+                + summaries)
     chunk = chunk_forward_bytes(shape, inputs, tokens, patches, size)
     view = recall_bytes(shape, inputs, size)
     question = question_bytes(shape, inputs, size) + view
@@ -376,8 +397,8 @@ def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
         kv_bytes=inputs.budget_tokens * per_token, state_bytes=states, conv_state_bytes=conv,
         snapshot_bytes=2 * (states + conv), chunk_forward_bytes=chunk, question_bytes=question,
         evidence_bytes=evidence, recall_tokens=inputs.recall_tokens, recall_bytes=view,
-        host_tier_bytes=host_tier, resident_bytes=resident, peak_bytes=peak,
-        tokens_per_chunk=tokens, video_tokens_per_chunk=video,
+        host_tier_bytes=host_tier, tier_summary_bytes=summaries, resident_bytes=resident,
+        peak_bytes=peak, tokens_per_chunk=tokens, video_tokens_per_chunk=video,
         stream_seconds=inputs.budget_tokens / tokens * seconds_per_chunk,
         available_bytes=free, fits=peak <= free,
     )
@@ -404,7 +425,8 @@ def require_fit(path: str | Path, config: MemoryConfig, device: str, dtype: str,
                         # a question recalls only from a second tier
                         recall_tokens=(config.recall_tokens if config.host_budget_mb
                                        or config.disk_budget_mb else 0),
-                        host_tier_bytes=int(config.host_budget_mb * 2**20))
+                        host_tier_bytes=int(config.host_budget_mb * 2**20),
+                        disk_tier_bytes=int(config.disk_budget_mb * 2**20))
     plan = plan_for_path(path, inputs, torch_device, resolve_dtype(dtype, torch_device))
     if not plan.fits:
         raise RuntimeError(

@@ -92,8 +92,9 @@ class TierIndex:
 
 @dataclass
 class TierStats:
-    """Each tier's chunks and bytes, and what was lost: pieces the writer could not keep up
-    with, and chunks dropped past both budgets (each once)."""
+    """Each tier's chunks and bytes, the host memory their key summaries take (a disk chunk's
+    stays in memory for recall, outside both budgets), and what was lost: pieces the writer
+    could not keep up with, and chunks dropped past both budgets (each once)."""
 
     host_chunks: int = 0
     host_bytes: int = 0
@@ -101,6 +102,7 @@ class TierStats:
     disk_bytes: int = 0
     dropped_pieces: int = 0
     dropped_chunks: int = 0
+    summary_bytes: int = 0  # every tiered chunk's key summary, in host memory whatever its tier
     pending: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -129,6 +131,7 @@ class TierStore:
         self._closed = False
         self.stats = TierStats()
         self._listed: list[TieredChunk] | None = None  # `chunks()`, until the entries change
+        self._indexed: TierIndex | None = None  # `index()`, until the entries change
         # chunks dropped whose later pieces may still come (some of their slots are on the
         # GPU): a chunk is counted dropped once; pruned with every eviction (`_still_held`)
         self._gone: set[int] = set()
@@ -166,15 +169,19 @@ class TierStore:
 
     # --------------------------------------------------------------------- the question's side
     def index(self) -> TierIndex:
-        """Every tiered chunk, oldest first, with its key summary."""
+        """Every tiered chunk, oldest first, with its key summary (stacked again only after
+        the entries changed: a question reads it, and an hour holds thousands)."""
         with self._lock:
-            entries = sorted(self._entries.values(), key=lambda e: (e.time_s, e.chunk))
-            summaries = (torch.stack([e.summary for e in entries]) if entries
-                         else torch.empty(0, 0, 0, 0))
-            return TierIndex([e.chunk for e in entries],
-                             torch.tensor([e.time_s for e in entries], dtype=torch.float64),
-                             torch.tensor([e.tokens for e in entries], dtype=torch.long),
-                             [e.tier for e in entries], summaries)
+            if self._indexed is None:
+                entries = sorted(self._entries.values(), key=lambda e: (e.time_s, e.chunk))
+                summaries = (torch.stack([e.summary for e in entries]) if entries
+                             else torch.empty(0, 0, 0, 0))
+                self._indexed = TierIndex(
+                    [e.chunk for e in entries],
+                    torch.tensor([e.time_s for e in entries], dtype=torch.float64),
+                    torch.tensor([e.tokens for e in entries], dtype=torch.long),
+                    [e.tier for e in entries], summaries)
+            return self._indexed
 
     def chunks(self) -> list[TieredChunk]:
         """Every tiered chunk, oldest first, with its tokens and tier: for a viewer (read after
@@ -208,6 +215,7 @@ class TierStore:
                     entry.shift += shift
                     entry.first_position += shift
                     entry.summary = _rotated(self.rotate, entry.summary, shift)
+                    self._indexed = None
             self._pending = deque(replace(p, shift=p.shift + shift_of(p.first_position))
                                   for item in self._pending for p in _pieces(item))
 
@@ -295,7 +303,7 @@ class TierStore:
                     entry.path.unlink(missing_ok=True)
             self._entries.clear()
             self._gone.clear()
-            self._listed = None
+            self._listed = self._indexed = None
             self.stats = TierStats()
 
     def close(self) -> None:
@@ -402,7 +410,8 @@ class TierStore:
 
     def _count(self, entry: _Entry, sign: int, tier: str) -> None:
         """Count an entry in or out of a tier: every change of the entries passes here."""
-        self._listed = None
+        self._listed = self._indexed = None
+        self.stats.summary_bytes += sign * entry.summary.numel() * entry.summary.element_size()
         if tier == HOST:
             self.stats.host_chunks += sign
             self.stats.host_bytes += sign * entry.nbytes

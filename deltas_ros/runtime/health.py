@@ -108,12 +108,14 @@ def report(counters: SessionCounters, values: dict[str, Any], *, active: bool, g
 
 
 def tier_values(memory: StreamingMemory) -> dict[str, int]:
-    """The second tier's chunks and bytes in host memory and on disk, and what it lost (pieces
-    the writer fell behind on, chunks dropped past both budgets); none without a second tier."""
+    """The second tier's chunks and bytes in host memory and on disk, its key summaries' host
+    bytes, and what it lost (pieces the writer fell behind on, chunks dropped past both
+    budgets); none without a second tier."""
     if memory.tiers is None:
         return {}
     stats = memory.tiers.current_stats()
     return {"tier_host_chunks": stats.host_chunks, "tier_host_bytes": stats.host_bytes,
             "tier_disk_chunks": stats.disk_chunks, "tier_disk_bytes": stats.disk_bytes,
+            "tier_summary_bytes": stats.summary_bytes,
             "tier_dropped_pieces": stats.dropped_pieces,
             "tier_dropped_chunks": stats.dropped_chunks}

@@ -157,7 +157,8 @@ def plan_command(args: argparse.Namespace) -> int:
                 fps=args.fps, frames_per_chunk=args.frames_per_chunk,
                 answer_tokens=args.max_new_tokens, evidence_candidates=args.evidence_candidates,
                 recall_tokens=args.recall_tokens,
-                host_tier_bytes=int(args.host_budget_mb * 2**20))
+                host_tier_bytes=int(args.host_budget_mb * 2**20),
+                disk_tier_bytes=int(args.disk_budget_mb * 2**20))
             plans.append((Path(source).stem, plan_for_path(
                 source, inputs, device, resolve_dtype(args.dtype, device), available)))
     if args.json:
@@ -378,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-budget-mb", type=float, default=MemoryConfig.host_budget_mb,
                       help="the second tier's host memory, counted where the device shares it "
                            "(the CPU, a Jetson; default: %(default)s)")
+    plan.add_argument("--disk-budget-mb", type=float, default=MemoryConfig.disk_budget_mb,
+                      help="the second tier's disk: its chunks' key summaries stay in memory, "
+                           "counted as the host tier is (default: %(default)s)")
     add_device_options(plan)
     plan.add_argument("--available-gib", type=float,
                       help="plan for a device with this much free memory instead of this one")

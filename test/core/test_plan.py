@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -200,28 +201,42 @@ def test_recall_plans_the_question_over_its_view_and_counts_the_view_the_engine_
 def test_the_node_plans_recall_only_with_a_second_tier(tiny_model_dir, monkeypatch):
     seen = []
     monkeypatch.setattr(plan_module, "plan_for_path",
-                        lambda path, inputs, *rest: seen.append(inputs.recall_tokens)
+                        lambda path, inputs, *rest: seen.append(inputs)
                         or make_plan(read_config(path), inputs, *rest, available=2**40))
-    for tiers in ({}, {"host_budget_mb": 1.0}):
+    for tiers in ({}, {"host_budget_mb": 1.0, "disk_budget_mb": 2.0, "tier_dir": "tiers"}):
         plan_module.require_fit(tiny_model_dir, MemoryConfig(recall_tokens=256, **tiers), "cpu",
                                 "float32")
-    assert seen == [0, 256]
+    assert [(i.recall_tokens, i.host_tier_bytes, i.disk_tier_bytes) for i in seen] == [
+        (0, 0, 0), (256, 2**20, 2 * 2**20)]
     monkeypatch.undo()
     code, out = run_cli("plan", "--json", "--config", MODELS / "qwen3_5_9b.json",
-                        "--recall-tokens", "2048", "--dtype", "bfloat16", "--available-gib", "80")
-    assert code == 0 and json.loads(out)["recall_bytes"] == (8192 + 2 * 2048) * 32 * 1024
+                        "--recall-tokens", "2048", "--dtype", "bfloat16", "--available-gib", "80",
+                        "--device", "cuda", "--disk-budget-mb", "1024")
+    plan = json.loads(out)
+    assert code == 0 and plan["recall_bytes"] == (8192 + 2 * 2048) * 32 * 1024
+    assert plan["tier_summary_bytes"] == 0  # a discrete GPU: the summaries are in host RAM
+    code, out = run_cli("plan", "--json", "--config", MODELS / "qwen3_5_9b.json",
+                        "--device", "cpu", "--available-gib", "80", "--disk-budget-mb", "1024")
+    assert code == 0 and json.loads(out)["tier_summary_bytes"] > 0
 
 
 def test_the_host_tier_counts_where_the_device_shares_the_hosts_memory(monkeypatch):
+    """The host budget, and the key summaries of the chunks both tiers hold (8 KiB each at
+    0.8B: 2 KV heads x 4 keys x 256 float32), count where the device shares the host's
+    memory; a discrete GPU's plan leaves both to host RAM."""
     config = read_config(MODELS / "qwen3_5_0_8b.json")
-    inputs = PlanInputs(host_tier_bytes=512 * 2**20)
+    inputs = PlanInputs(host_tier_bytes=512 * 2**20, disk_tier_bytes=4096 * 2**20)
     cpu = make_plan(config, inputs, torch.device("cpu"), torch.bfloat16, available=2**40)
     plain = make_plan(config, PlanInputs(), torch.device("cpu"), torch.bfloat16, available=2**40)
-    assert cpu.resident_bytes - plain.resident_bytes == 512 * 2**20 == cpu.host_tier_bytes
+    chunks = math.ceil(4608 * 2**20 / (cpu.tokens_per_chunk * cpu.kv_bytes_per_token))
+    assert cpu.tier_summary_bytes == chunks * 8 * 2**10
+    assert cpu.resident_bytes - plain.resident_bytes == 512 * 2**20 + cpu.tier_summary_bytes
+    assert cpu.host_tier_bytes == 512 * 2**20
     assert "host tier" in cpu.summary() and "host tier" not in plain.summary()
+    assert "tier key summaries" in cpu.summary() and "summaries" not in plain.summary()
     monkeypatch.setattr(plan_module.torch.cuda, "is_available", lambda: True)
-    for integrated, counted in ((True, 512 * 2**20), (False, 0)):
+    for integrated, counted in ((True, cpu.resident_bytes - plain.resident_bytes), (False, 0)):
         monkeypatch.setattr(plan_module.torch.cuda, "get_device_properties",
                             lambda _, shared=integrated: SimpleNamespace(is_integrated=shared))
         gpu = make_plan(config, inputs, torch.device("cuda"), torch.bfloat16, available=2**40)
-        assert gpu.host_tier_bytes == counted
+        assert gpu.host_tier_bytes + gpu.tier_summary_bytes == counted

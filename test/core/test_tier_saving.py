@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from deltas_ros.core.config import MemoryConfig
 from deltas_ros.core.memory import StreamingMemory
 from deltas_ros.core.persistence import METADATA_KEY, MemoryFileError, load_memory, save_memory
+from deltas_ros.core.recall import key_summary
 from deltas_ros.core.tiers import DISK, HOST
 
 SMALL = dict(budget_tokens=40, sink_tokens=4, window_tokens=8, buckets=1, policy="recency",
@@ -175,9 +176,14 @@ def test_a_compaction_moves_the_tiered_chunks_with_their_keys(tiered):
     feed(memory, range(8))
     before = {c[0]: c for c in contents(memory)}
     end_before = memory.next_position
+    index = memory.tiers.index()
     freed = memory.compact_positions()
     assert freed > 0
+    moved = memory.tiers.index()  # not the index stacked before the compaction
+    assert moved is not index and moved.chunks == index.chunks
     for chunk, _, keys, values, position, *_ in contents(memory):
+        torch.testing.assert_close(moved.summaries[moved.chunks.index(chunk)],
+                                   key_summary(keys))
         old = before[chunk]
         shift = position - old[4]
         assert (shift == shift[0, 0]).all() and int(shift[0, 0]) <= 0  # one shift, backwards

@@ -57,6 +57,27 @@ def test_pieces_stay_in_host_memory_within_its_budget(store_factory):
     assert torch.equal(back.keys, piece(2).keys) and back.pose == piece(2).pose
 
 
+def test_summaries_count_in_host_memory_and_the_index_is_stacked_once_a_change(store_factory):
+    """A chunk's key summary stays in host memory in either tier: counted once through a spill,
+    out with a drop or a clear. A question's index is built again only after a change."""
+    store = store_factory(host_bytes=PIECE_BYTES, disk_bytes=2 * FILE_BYTES)
+    one = key_summary(piece(0).keys).nbytes
+    for chunk in range(2):
+        store.put(piece(chunk))
+    assert store.flush(5.0)
+    index = store.index()
+    assert index.tiers == [DISK, HOST] and store.index() is index
+    assert store.current_stats().summary_bytes == 2 * one
+    for chunk in range(2, 6):
+        store.put(piece(chunk))
+    assert store.flush(5.0)
+    stats = store.current_stats()
+    assert stats.dropped_chunks == 3 and stats.summary_bytes == 3 * one
+    assert store.index() is not index and store.index().chunks == [3, 4, 5]
+    store.clear()
+    assert store.current_stats().summary_bytes == 0 and store.index().chunks == []
+
+
 def test_the_oldest_spill_to_disk_and_come_back_exactly(store_factory, tmp_path):
     store = store_factory(host_bytes=2 * PIECE_BYTES, disk_bytes=10 * PIECE_BYTES)
     store.put(piece(0))

@@ -369,7 +369,9 @@ def test_health_reports_the_second_tier_only_when_one_is_configured(running, tmp
     assert {name: value for name, value in values.items() if name.startswith("tier_")} == {
         "tier_host_chunks": stats.host_chunks, "tier_host_bytes": stats.host_bytes,
         "tier_disk_chunks": stats.disk_chunks, "tier_disk_bytes": stats.disk_bytes,
-        "tier_dropped_pieces": 0, "tier_dropped_chunks": 0}
+        "tier_summary_bytes": stats.summary_bytes, "tier_dropped_pieces": 0,
+        "tier_dropped_chunks": 0}
+    assert stats.summary_bytes > 0
     assert len(list((tmp_path / "memory" / "tiers").glob("chunk-*.safetensors"))) == \
         stats.disk_chunks
     assert values["kv_tokens"] <= VALUES["budget_tokens"]
