@@ -4,6 +4,7 @@ question closing the user turn at the next position, then its answer."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -14,7 +15,7 @@ from transformers.cache_utils import DynamicCache
 from ..core.chunks import ChunkBuilder
 from ..core.config import StreamConfig
 from ..core.prompt import ChatLayout
-from .cache import repeat_cache
+from .cache import repeat_cache, sharing_the_stream
 from .config import TrainConfig
 from .palette import identities
 from .questions import QA, sample_questions
@@ -117,8 +118,10 @@ def make_batch(builder: ChunkBuilder, layout: ChatLayout, cfg: TrainConfig, seed
     return Batch(streams, qas, ids, mask)
 
 
-def forward(model, batch: Batch, device: torch.device) -> torch.Tensor:
-    """Logits (B * Q, Lq, vocab) of the questions and answers after their streams."""
+def forward(model, batch: Batch, device: torch.device, shared: bool = True) -> torch.Tensor:
+    """Logits (B * Q, Lq, vocab) of the questions and answers after their streams; the Q
+    questions of a stream share its K/V (cache.sharing_the_stream), or with shared=False each
+    attends over its own copy (cache.repeat_cache, the reference)."""
     text_config = model.config.text_config
     streams = batch.streams
     ids = torch.stack([s.input_ids for s in streams]).to(device)
@@ -132,13 +135,16 @@ def forward(model, batch: Batch, device: torch.device) -> torch.Tensor:
         position_ids=positions, cache=cache, use_cache=True,
     )
     repeats = batch.qa_ids.shape[0] // len(streams)
-    cache = repeat_cache(cache, repeats, text_config)
     start = streams[0].next_position
     width = batch.qa_ids.shape[1]
     qa_positions = torch.arange(start, start + width, device=device).expand(3, len(batch.qas), -1)
-    hidden = model.model(input_ids=batch.qa_ids.to(device), position_ids=qa_positions,
-                         cache=cache, use_cache=True).last_hidden_state
-    return model.lm_head(hidden)
+    ask = functools.partial(model.model, input_ids=batch.qa_ids.to(device),
+                            position_ids=qa_positions, use_cache=True)
+    if not shared:
+        return model.lm_head(ask(cache=repeat_cache(cache, repeats, text_config)
+                                 ).last_hidden_state)
+    with sharing_the_stream(model, cache, repeats, width) as (questions, masks):
+        return model.lm_head(ask(cache=questions, attention_mask=masks).last_hidden_state)
 
 
 def loss_and_hits(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, list[bool]]:

@@ -6,8 +6,9 @@ A training sample is exactly what `StreamingMemory` sees (test_train.py checks t
 positions): the chat prefix of `ChatLayout`, then one chunk per second built by
 `ChunkBuilder.build` at the running position (2 frames at 2 fps), then the question closing the
 user turn at the next position, then the answer. Each step prefills B streams once and asks Q
-questions of each: the stream cache is repeated Q times (`cache.repeat_cache`), so one stream
-forward serves Q supervised answers. Loss on the answer tokens (and <|im_end|>) only.
+questions of each: the linear-attention states are repeated Q times and the questions share the
+stream's K/V (`cache.sharing_the_stream`), so one stream forward serves Q supervised answers.
+Loss on the answer tokens (and <|im_end|>) only.
 
 Vision first (config `vision_pretrain`), as vision-language models pretrain their vision encoder:
 the vision tower and a throwaway linear head learn the shape and colour of the object a chunk

@@ -115,11 +115,13 @@ def test_memory_view(tmp_path):
     assert [r["marker_count"] for r in rows] == [1 + 5 + 5 + 1 + 6, 1 + 64 + 12 + 1 + 6]
 
 
-def test_train_step_runs_both_kernels_to_the_same_loss(tmp_path):
+def test_train_step_runs_the_three_ways_to_the_same_loss(tmp_path):
     train_step.main(["--seconds", "4", "--rounds", "2", "--out", str(tmp_path)])
     (row,) = written(tmp_path, "train_step")["rows"]
-    assert [len(t) for t in row["times_s"].values()] == [2, 2] and row["ratio"] > 0
-    assert row["loss_difference"] < 1e-5 and row["largest_gradient_difference"] < 1e-4
+    assert [len(t) for t in row["times_s"].values()] == [2, 2, 2]
+    for way in ("kernel", "training"):
+        assert row[f"{way}_ratio"] > 0 and row[f"{way}_loss_difference"] < 1e-5
+        assert row[f"{way}_largest_gradient_difference"] < 1e-4
 
 
 def test_real_size_smoke_runs_both_dtypes_on_the_cpu(tmp_path):
