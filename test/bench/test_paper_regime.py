@@ -49,6 +49,22 @@ def test_retention_is_counted_per_stream_minute():
     assert paper_regime.thirds(table["surprise@0.02"]["180"]) == "22.7 · 0.0 · 100.0"
 
 
+def test_a_resumed_run_keeps_whole_streams_and_drops_the_one_cut_off(tmp_path):
+    path = tmp_path / "paper_regime.jsonl"
+    whole = [{"seconds": 1800, "seed": 0, "condition": "full", "question": "q"},
+             {"seconds": 1800, "seed": 0, "stream_done": True}]
+    cut = [{"seconds": 1800, "seed": 1, "condition": "full", "question": "q"}]
+    text = "".join(json.dumps(r) + "\n" for r in whole + cut) + '{"seconds": 18'
+    path.write_text(text)
+    assert paper_regime.finished_streams(path, keep_only_them=False) == {(1800, 0)}
+    assert path.read_text() == text  # only read
+    assert paper_regime.finished_streams(path, keep_only_them=True) == {(1800, 0)}
+    assert [json.loads(line) for line in path.read_text().splitlines()] == whole
+    path.write_text('{"seconds": 18\n' + text)
+    with pytest.raises(SystemExit, match="line 1 is not JSON"):
+        paper_regime.finished_streams(path, keep_only_them=True)
+
+
 @pytest.mark.slow  # streams through the shipped model
 def test_two_parts_and_their_merge_report_every_cell(tmp_path):
     common = ["--lengths", "20:1", "--objects", "2", "--fractions", "0.05", "0.1",
@@ -56,6 +72,11 @@ def test_two_parts_and_their_merge_report_every_cell(tmp_path):
     for part in ("1/2", "2/2"):
         paper_regime.main([*common, "--part", part, "--out", str(tmp_path / part[0])])
     files = [str(tmp_path / p / "paper_regime.jsonl") for p in "12"]
+    answers = (tmp_path / "1" / "paper_regime.jsonl").read_text()
+    with pytest.raises(SystemExit, match="--resume"):  # never the same stream twice
+        paper_regime.main([*common, "--part", "1/2", "--out", str(tmp_path / "1")])
+    paper_regime.main([*common, "--part", "1/2", "--out", str(tmp_path / "1"), "--resume"])
+    assert (tmp_path / "1" / "paper_regime.jsonl").read_text() == answers  # nothing left to do
     paper_regime.main(["--report", *files, "--out", str(tmp_path)])
     results = json.loads((tmp_path / "paper_regime.json").read_text())
     assert set(results["table"]) == {"full", "surprise@0.05", "surprise@0.1", "recency@0.05",
