@@ -328,6 +328,9 @@ def finish(out_dir: Path, results: dict[str, Any], title: str, body: str) -> dic
     return results
 
 
+STREAM_DONE = "stream_done"  # the key of the line that ends a stream's answers
+
+
 def add_answers_args(parser: argparse.ArgumentParser) -> None:
     """The options every answer benchmark (answers, busy, busy_retention) shares."""
     parser.add_argument("--model", help="model directory (default: the shipped scene model)")
@@ -339,6 +342,51 @@ def add_answers_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", type=Path, help="answers file (JSON lines) to append to")
     parser.add_argument("--report", type=Path, nargs="+",
                         help="only report these answers files (merged)")
+
+
+def add_resume_arg(parser: argparse.ArgumentParser) -> None:
+    """--resume, for an answer benchmark that outlasts a session (`streams_done`)."""
+    parser.add_argument("--resume", action="store_true",
+                        help="go on after a stop: keep the streams the answers file holds whole")
+
+
+def stream_done(seconds: int, seed: int) -> str:
+    """The answers-file line that ends a stream's records: the unit a resumed run keeps."""
+    return json.dumps({"seconds": seconds, "seed": seed, STREAM_DONE: True}) + "\n"
+
+
+def streams_done(path: Path, resume: bool) -> set[tuple[int, int]]:
+    """(seconds, seed) of the streams the answers file at `path` holds whole, for a run to
+    skip. resume: first rewrite the file without the records of any other stream (one a stop
+    cut off, its last line perhaps half written). Without resume a file holding a whole stream
+    is refused: a second copy of its answers would count twice."""
+    done = finished_streams(path, keep_only_them=resume)
+    if done and not resume:
+        raise SystemExit(f"{path} already holds streams of this run: pass --resume to go on "
+                         "from them, or another --out")
+    return done
+
+
+def finished_streams(path: Path, keep_only_them: bool) -> set[tuple[int, int]]:
+    """(seconds, seed) of the streams whose records `path` holds whole (a `stream_done` line
+    after them); keep_only_them: rewrite the file without the records of any other stream."""
+    if not path.is_file():
+        return set()
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number != len(lines) - 1:  # only a stop's last line may be cut off
+                raise SystemExit(f"{path}: line {number + 1} is not JSON") from None
+    done = {(r["seconds"], r["seed"]) for r in records if r.get(STREAM_DONE)}
+    if keep_only_them:
+        kept = [line for line, r in zip(lines, records) if (r["seconds"], r["seed"]) in done]
+        partial = path.with_suffix(".tmp")
+        partial.write_text("".join(f"{line}\n" for line in kept))
+        partial.replace(path)
+    return done
 
 
 def run_answers(name: str, parser: argparse.ArgumentParser, argv: list[str] | None,
@@ -357,7 +405,8 @@ def run_answers(name: str, parser: argparse.ArgumentParser, argv: list[str] | No
         loaded = load_model(model_path, "cpu")
         files[0].parent.mkdir(parents=True, exist_ok=True)
         evaluate(args, loaded, files[0])
-    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    records = [record for f in files for line in f.read_text().splitlines()
+               if not (record := json.loads(line)).get(STREAM_DONE)]
     results |= {"model": str(model_path), "answers_files": [str(f) for f in files]}
     return args, results, records, loaded
 

@@ -32,10 +32,8 @@ one gets `full`), then the merge:
         bench/results/paper_regime/part1/paper_regime.jsonl \\
         bench/results/paper_regime/part2/paper_regime.jsonl --out bench/results/paper_regime
 
-A stream is the unit of work: its records end with a `stream_done` line. The whole run takes
-hours (docs/evaluation.md); after a stop, the same command with `--resume` keeps the streams
-done, drops the records of the one cut off and goes on from it. Without `--resume` a run
-refuses an answers file that already holds one of its streams.
+The whole run takes hours (docs/evaluation.md); after a stop, the same command with
+`--resume` goes on from the stream the stop cut off (bench.common.streams_done).
 
 Honest limits: no policy can beat the `full` row, the model's own answer with everything kept;
 a few long streams give wide intervals (read them; add streams with --first-seed where a cell
@@ -72,7 +70,16 @@ from .busy_retention import (
     save_figure,
     verdicts,
 )
-from .common import add_answers_args, finish, md_table, memory_config, run_answers
+from .common import (
+    add_answers_args,
+    add_resume_arg,
+    finish,
+    md_table,
+    memory_config,
+    run_answers,
+    stream_done,
+    streams_done,
+)
 
 AGAINST = "surprise"  # the default policy: every other one is compared with it
 POLICIES = (FULL, "surprise", "deltas_surprise", "deltas", "write_strength", "infinipot_v",
@@ -130,34 +137,8 @@ def minute_tokens(chunks: list, counts: list[int], seconds: int,
     return per
 
 
-def finished_streams(path: Path, keep_only_them: bool) -> set[tuple[int, int]]:
-    """(seconds, seed) of the streams whose records `path` holds whole (a `stream_done` line
-    after them). keep_only_them: rewrite the file without the records of any other stream (one
-    a stop cut off, its last line perhaps half written)."""
-    if not path.is_file():
-        return set()
-    lines = path.read_text().splitlines()
-    records = []
-    for number, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number != len(lines) - 1:  # only a stop's last line may be cut off
-                raise SystemExit(f"{path}: line {number + 1} is not JSON") from None
-    done = {(r["seconds"], r["seed"]) for r in records if r.get("stream_done")}
-    if keep_only_them:
-        kept = [line for line, r in zip(lines, records) if (r["seconds"], r["seed"]) in done]
-        partial = path.with_suffix(".tmp")
-        partial.write_text("".join(f"{line}\n" for line in kept))
-        partial.replace(path)
-    return done
-
-
 def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) -> None:
-    done = finished_streams(records_path, keep_only_them=args.resume)
-    if done and not args.resume:
-        raise SystemExit(f"{records_path} already holds streams of this run: pass --resume to "
-                         "go on from them, or another --out")
+    done = streams_done(records_path, args.resume)
     pixel_budget, probe, sinks = probe_memory(args, loaded)
     with records_path.open("a") as out:
         for index, (seconds, seed) in enumerate(streams(args)):
@@ -201,7 +182,7 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                 out.flush()
                 print(f"{seconds:4d} s seed {seed} {name:22s} {right}/{len(qas)} "
                       f"(questions {time.perf_counter() - asked:.1f} s)", flush=True)
-            out.write(json.dumps({"seconds": seconds, "seed": seed, "stream_done": True}) + "\n")
+            out.write(stream_done(seconds, seed))
             out.flush()
 
 
@@ -313,12 +294,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--part", default="1/1",
                         help="K/N: run the K-th of N shares of the policies (N processes)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--resume", action="store_true",
-                        help="go on after a stop: keep the streams the answers file holds whole")
+    add_resume_arg(parser)
     parser.set_defaults(hour=True)  # held_out_scene: the hour world
     add_answers_args(parser)
     args, results, records, _ = run_answers("paper_regime", parser, argv, evaluate)
-    records = [r for r in records if not r.get("stream_done")]
     questions = [r for r in records if "question" in r]
     results["table"] = table = aggregate(questions)
     results["retention"] = kept = retention(records)

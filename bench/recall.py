@@ -28,6 +28,7 @@ with recall over the time without.
     python -m bench.recall --streams 8 --summary mean top-norm all-keys --out bench/results/recall
     python -m bench.recall --streams 8 --summary top-norm --queries first every-layer --out DIR
     python -m bench.recall --hour --streams 4 --objects 3 --seconds 1800 3600 --out DIR
+    (the same with --resume after a stop: bench.common.streams_done)
     python -m bench.recall --report a.jsonl b.jsonl --out bench/results/recall
 
 Honest limits: no row can beat `full` on questions `full` gets right; a few streams give wide
@@ -64,7 +65,16 @@ from .answers import FULL, cell
 from .busy import busy_questions
 from .busy_misses import in_view
 from .busy_retention import NEVER, aggregate, busy_streams, paired_row, position
-from .common import add_answers_args, finish, md_table, memory_config, run_answers
+from .common import (
+    add_answers_args,
+    add_resume_arg,
+    finish,
+    md_table,
+    memory_config,
+    run_answers,
+    stream_done,
+    streams_done,
+)
 
 RECALL = "+recall"
 NO_RECALL = "surprise"  # the default policy without recall: what recall is measured against
@@ -177,8 +187,11 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
     probe = StreamingMemory(loaded, MemoryConfig(pixel_budget=pixel_budget))
     sinks = probe.kv_tokens  # the chat prefix: kept whatever the budget
     per_token = kv_bytes_per_token(loaded)
+    done = streams_done(records_path, args.resume)
     with records_path.open("a") as out:
         for seconds, seed, chunks, events, tokens in busy_streams(args, probe):
+            if (seconds, seed) in done:
+                continue
             qas = [qa for kind, qa in busy_questions(events, seed, args.hour)
                    if kind.startswith("seen")]
             host_mb = HOST_SLACK * tokens * per_token / 2**20 + 1
@@ -228,6 +241,7 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
                         store.close()
                     memory.tiers.close()
                     log(seconds, seed, f"{policy}{RECALL}@{fraction:g}", started)
+            out.write(stream_done(seconds, seed))
             out.flush()
 
 
@@ -407,6 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the question's queries that score: its first full-attention "
                         "layer's (as the memory recalls) and/or every layer's")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    add_resume_arg(parser)
     add_answers_args(parser)
     args, results, records, _ = run_answers("recall", parser, argv, evaluate)
     results["table"] = aggregate(records)

@@ -10,6 +10,7 @@ import pytest
 from bench_helpers import one_thread  # noqa: F401 (autouse)
 
 from bench import paper_regime
+from bench.common import finished_streams
 
 
 def _args(**given) -> argparse.Namespace:
@@ -56,13 +57,13 @@ def test_a_resumed_run_keeps_whole_streams_and_drops_the_one_cut_off(tmp_path):
     cut = [{"seconds": 1800, "seed": 1, "condition": "full", "question": "q"}]
     text = "".join(json.dumps(r) + "\n" for r in whole + cut) + '{"seconds": 18'
     path.write_text(text)
-    assert paper_regime.finished_streams(path, keep_only_them=False) == {(1800, 0)}
+    assert finished_streams(path, keep_only_them=False) == {(1800, 0)}
     assert path.read_text() == text  # only read
-    assert paper_regime.finished_streams(path, keep_only_them=True) == {(1800, 0)}
+    assert finished_streams(path, keep_only_them=True) == {(1800, 0)}
     assert [json.loads(line) for line in path.read_text().splitlines()] == whole
     path.write_text('{"seconds": 18\n' + text)
     with pytest.raises(SystemExit, match="line 1 is not JSON"):
-        paper_regime.finished_streams(path, keep_only_them=True)
+        finished_streams(path, keep_only_them=True)
 
 
 @pytest.mark.slow  # streams through the shipped model

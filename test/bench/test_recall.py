@@ -47,10 +47,15 @@ def test_full_memory_is_paired_at_every_budget_and_recall_costs_are_read_side_by
 
 @pytest.mark.slow  # streams through the shipped model
 def test_recall_bench_runs(tmp_path):
-    recall.main(["--streams", "1", "--objects", "3", "--seconds", "24", "--fractions", "0.1",
-                 "--policies", "recency", "--summary", "mean", "top-norm", "--queries", "first",
-                 "every-layer", "--out", str(tmp_path)])
-    records = [json.loads(r) for r in (tmp_path / "recall.jsonl").read_text().splitlines()]
+    options = ["--streams", "1", "--objects", "3", "--seconds", "24", "--fractions", "0.1",
+               "--policies", "recency", "--summary", "mean", "top-norm", "--queries", "first",
+               "every-layer", "--out", str(tmp_path)]
+    recall.main(options)
+    answers = (tmp_path / "recall.jsonl").read_text()
+    *records, done = [json.loads(r) for r in answers.splitlines()]
+    assert done == {"seconds": 24, "seed": 0, "stream_done": True}
+    recall.main([*options, "--resume"])  # the stream is whole: nothing to do
+    assert (tmp_path / "recall.jsonl").read_text() == answers
     conditions = {r["condition"] for r in records}
     assert conditions == {"full", "recency@0.1", "recency+recall:mean@0.1",
                           "recency+recall:top-norm@0.1", "recency+recall:oracle@0.1",
