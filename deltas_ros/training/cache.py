@@ -127,8 +127,8 @@ def sharing_the_stream(model: torch.nn.Module, cache: DynamicCache, repeats: int
         if getattr(old, "keys", None) is not None:
             stream[index] = (old.keys, old.values)
             questions.layers[index] = _QuestionsOwnKeys()
-    stream_tokens = next(iter(stream.values()))[0].shape[2]
-    mask = questions_mask(stream_tokens, repeats, length, next(iter(stream.values()))[0].device)
+    keys = next(iter(stream.values()))[0]
+    mask = questions_mask(keys.shape[2], repeats, length, keys.device)
     implementation = text_config._attn_implementation
     token = _STREAM_KV.set(stream)
     text_config._attn_implementation = SHARED_STREAM
