@@ -24,7 +24,7 @@ reaches its `advance_at` (after `min_steps`), or at `until_step` at the latest.
 Checkpoints go to OUT/checkpoint.pt every few minutes and at the end; `--resume` continues from it
 (steps, stage, optimizer, elapsed time). The model with the best held-out validation accuracy
 (validation seeds, never evaluation or training ones) is exported to OUT/model as a
-`from_pretrained` directory.
+`from_pretrained` directory, and at the end the last weights to OUT/final.
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def export_model(model, tokenizer, out_dir: str | Path, pixel_budget: int,
 
 # ----------------------------------------------------------------------------- training
 class Trainer:
-    """One training run in OUT: checkpoint.pt (resumable), model/ (best export), train.log."""
+    """One training run in OUT: checkpoint.pt (resumable), model/ (best export), final/ (the
+    last weights, at the end), train.log."""
 
     def __init__(self, cfg: TrainConfig, out: str | Path, device: str = "cpu",
                  resume: bool = False) -> None:
@@ -326,10 +327,10 @@ class Trainer:
         torch.save(state, tmp)
         os.replace(tmp, self.out / "checkpoint.pt")
 
-    def export(self, scores: dict[str, float]) -> Path:
+    def export(self, scores: dict[str, float], name: str = "model") -> Path:
         info = {"trained_steps": self.step, "trained_minutes": round(self.elapsed_s / 60, 1),
                 "validation": scores, "train_config": asdict(self.cfg)}
-        return export_model(self.model, self.tokenizer, self.out / "model",
+        return export_model(self.model, self.tokenizer, self.out / name,
                             self.cfg.pixel_budget, info)
 
     def run(self) -> Path:
@@ -346,10 +347,13 @@ class Trainer:
                   disable=None) as self.bar:  # a progress bar on a terminal only
             self._vision_phase()
             self._stream_phase()
-        self._validate_and_export()
+        # the last weights too: validation streams are short, and a curriculum's last stage
+        # (the hour's long streams) may not raise their score
+        self.export(self._validate_and_export(), "final")
         self.save()
         self.log(f"done at step {self.step} after {self.elapsed_s / 60:.1f} min; best "
-                 f"validation target accuracy {self.best:.3f}; model in {self.out / 'model'}")
+                 f"validation target accuracy {self.best:.3f}; model in {self.out / 'model'}, "
+                 f"the last weights in {self.out / 'final'}")
         return self.out / "model"
 
     def _time_left(self) -> bool:
@@ -412,7 +416,8 @@ class Trainer:
         self.log(f"stage {self.stage_index} from step {self.step} ({why})")
         return True
 
-    def _validate_and_export(self) -> None:
+    def _validate_and_export(self) -> dict[str, float]:
+        """Validate; export when better than the best so far. Returns the scores."""
         scores = self.validate()
         self.history.append({"step": self.step, "minutes": round(self.elapsed_s / 60, 1),
                              **scores})
@@ -422,3 +427,4 @@ class Trainer:
             self.best = scores["target"]
             self.export(scores)
         self.log(f"validation at step {self.step}: {line}{' (exported)' if better else ''}")
+        return scores

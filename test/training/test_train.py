@@ -140,6 +140,10 @@ def test_train_checkpoint_export_and_resume(tmp_path):
         torch.testing.assert_close(a, b, msg=name)
     assert "loss" in (tmp_path / "resumed" / "train.log").read_text()
     exported = tmp_path / "resumed" / "model"
+    final = load_model(tmp_path / "resumed" / "final", "cpu")  # the last weights
+    for (name, a), b in zip(resumed.model.state_dict().items(),
+                            final.model.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
     loaded = load_model(exported, "cpu")
     assert resolve_pixel_budget(0, exported) == TINY["pixel_budget"]
     assert loaded.model.config.text_config.layer_types.count("full_attention") == 2
