@@ -5,9 +5,11 @@ Why: every other table runs the tiny test model; the product runs Qwen3.5 0.8B t
 ~100-token chunks and M = 8192. This measures what those sizes cost here: whether the chunk
 forward keeps up with a 2 fps camera (real-time factor), the signal's and the eviction's share
 of it, whether the process stays flat once M is reached, and what a question costs with and
-without evidence, on the evidence search's old path (one forward per candidate, each over a
-copy of the K/V without the chunk: `asking_reference.leave_one_out`) and the path questions use
-(the candidates as rows of batched forwards over the cache as it is: `leave_one_out_batched`).
+without evidence, with the node's evidence candidates and with 32, on the evidence search's old
+path (one forward per candidate, each over a copy of the K/V without the chunk:
+`asking_reference.leave_one_out`) and the path questions use (the candidates as rows of batched
+forwards over the cache as it is: `leave_one_out_batched`), and what ranking the candidates
+costs (`asking.estimated_drops`: one forward and backward).
 
 How, per --dtypes (one model in memory at a time): the model is built in memory by
 `common.bench_model`, the steps of `deltas-ros make-model --config`
@@ -15,12 +17,13 @@ How, per --dtypes (one model in memory at a time): the model is built in memory 
 synthetic stream (synth_stream, 2 fps, two frames a chunk) through one StreamingMemory; per chunk
 the engine's own timings (ChunkResult);
 the process RSS every --sample-every chunks, growth from the first eviction to the end. Then
---questions rounds, each: `ask` without evidence (evidence_candidates 0) and with it (the
-batched search, as the node asks); and the two searches alone on the same question, answer
-and --candidates held chunks (evenly spread over the memory), old then new, each with its
-peak RSS above the RSS before it (VmHWM reset through /proc/self/clear_refs), their drops
-compared. "Question with evidence, old path" is the question without evidence plus the old
-search, both measured in the same round. Last, every --policies signal side by side on the
+--questions rounds, each: `ask` without evidence (evidence_candidates 0) and with it, with
+--candidates (the node's default) and --full-candidates (32) side by side; the estimate alone;
+and the two searches alone on the same question, answer and --full-candidates held chunks
+(evenly spread over the memory), old then new; each alone with its peak RSS above the RSS
+before it (VmHWM reset through /proc/self/clear_refs), the searches' drops compared. "Question
+with evidence, old path" is the question without evidence plus the old search, both measured
+in the same round. Last, every --policies signal side by side on the
 same full memory (DeltaS, the state surprise and the paper's baselines: what each costs per
 chunk and per eviction event at this size, `signals_side_by_side`). --smoke: the tiny model, a
 few chunks (CI).
@@ -40,12 +43,13 @@ from typing import Any
 
 import torch
 
-from deltas_ros.core.asking import by_drop, leave_one_out_batched
+from deltas_ros.core.asking import by_drop, estimated_drops, leave_one_out_batched
 from deltas_ros.core.asking_reference import leave_one_out
 from deltas_ros.core.evidence_forward import (
     EVIDENCE_BATCH_BYTES,
     evidence_batch_bytes,
     evidence_rows,
+    gate_pass_bytes,
 )
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
@@ -87,7 +91,8 @@ MAX_SIGNAL_FRACTION = 0.01  # a state signal's share of the chunk forward at 0.8
 STATE_SIGNALS = ("deltas", "surprise", "deltas_surprise")
 MAX_GROWTH = 0.05
 SMOKE = dict(config=None, chunks=12, budget=120, window=40, pixel_budget=4096, width=160,
-             height=120, sample_every=4, questions=1, candidates=4, max_new_tokens=2,
+             height=120, sample_every=4, questions=1, candidates=2, full_candidates=4,
+             max_new_tokens=2,
              min_events=1, policy_chunks=2)
 
 
@@ -153,10 +158,12 @@ def spread(chunks: list[int], count: int) -> list[int]:
 
 
 def question_round(memory: StreamingMemory, args: argparse.Namespace) -> dict[str, Any]:
-    """One round: ask without and with evidence, then the two searches alone, old then new."""
+    """One round: ask without evidence, with --candidates and with --full-candidates; then the
+    estimate alone and the two searches alone, old then new."""
     config = memory.config
     timings: dict[str, Any] = {}
-    for name, candidates in (("ask_ms", 0), ("ask_evidence_ms", args.candidates)):
+    for name, candidates in (("ask_ms", 0), ("ask_evidence_ms", args.candidates),
+                             ("ask_evidence_full_ms", args.full_candidates)):
         memory.config = replace(config, evidence_candidates=candidates)
         answer = memory.ask(QUESTION, args.max_new_tokens)
         timings[name], timings["generated_tokens"] = answer.latency_ms, answer.generated_tokens
@@ -166,11 +173,13 @@ def question_round(memory: StreamingMemory, args: argparse.Namespace) -> dict[st
     ids = memory.layout.question_ids(memory.tokenizer, QUESTION)
     answer_ids = memory.tokenizer.encode(ANSWER, add_special_tokens=False)
     answer_ids = answer_ids[:max(1, timings["generated_tokens"])]
-    candidates = spread(slots.retained_chunks(), args.candidates)
+    candidates = spread(slots.retained_chunks(), args.full_candidates)
     kv_before = memory.kv_tokens
     with torch.inference_mode():
         snapshot = backend.snapshot()
         searches = {
+            "estimate": lambda: estimated_drops(backend, slots, ids, answer_ids,
+                                                memory.next_position, None),
             "old": lambda: leave_one_out(backend, slots, ids, answer_ids, memory.next_position,
                                          candidates, None, lambda: backend.restore(snapshot),
                                          math.inf),
@@ -197,6 +206,8 @@ def question_round(memory: StreamingMemory, args: argparse.Namespace) -> dict[st
         "batches": math.ceil((len(candidates) + 1) / rows),
         "batch_bytes_estimate": evidence_batch_bytes(text, rows, kv_before, tokens,
                                                      len(answer_ids), dtype),
+        "estimate_bytes_estimate": gate_pass_bytes(text, kv_before, tokens, len(answer_ids),
+                                                   dtype),
         "max_drop_difference": max((abs(drops["old"][c] - drops["new"][c])
                                     for c in candidates), default=0.0),
         "same_ranking": by_drop(candidates, drops["old"]) == by_drop(candidates, drops["new"]),
@@ -204,6 +215,8 @@ def question_round(memory: StreamingMemory, args: argparse.Namespace) -> dict[st
                           == by_drop(candidates, drops["new"])[:config.evidence_chunks]),
     }
     timings["ask_evidence_old_ms"] = timings["ask_ms"] + timings["old_search_ms"]
+    timings["ask_candidates"], timings["ask_full_candidates"] = (args.candidates,
+                                                                 args.full_candidates)
     return timings
 
 
@@ -241,8 +254,8 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     row = {"model": describe_model(loaded), **stream(memory, chunks, args)}
     row["rounds"] = [question_round(memory, args) for _ in range(args.questions)]
     if row["rounds"]:
-        for key in ("ask_ms", "ask_evidence_ms", "ask_evidence_old_ms", "old_search_ms",
-                    "new_search_ms"):
+        for key in ("ask_ms", "ask_evidence_ms", "ask_evidence_full_ms", "ask_evidence_old_ms",
+                    "estimate_search_ms", "old_search_ms", "new_search_ms"):
             row[key] = median([r[key] for r in row["rounds"]])
         row["search_speedup"] = row["old_search_ms"] / row["new_search_ms"]
     more = stream_chunks(args.chunks + len(args.policies) * args.policy_chunks, args.width,
@@ -265,7 +278,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     pixel_help="pixels a frame (320x320: ~100 visual tokens a chunk)")
     parser.add_argument("--sample-every", type=int, default=10, help="chunks between samples")
     parser.add_argument("--questions", type=int, default=2, help="question rounds (0: none)")
-    parser.add_argument("--candidates", type=int, default=32, help="evidence candidates")
+    parser.add_argument("--candidates", type=int, default=MemoryConfig.evidence_candidates,
+                        help="evidence candidates (default: the node's)")
+    parser.add_argument("--full-candidates", type=int, default=32,
+                        help="evidence candidates timed beside them, and of the searches alone")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--policies", nargs="+", default=list(SIDE_BY_SIDE),
                         choices=POLICY_NAMES, help="signals timed side by side after the stream")
@@ -320,7 +336,7 @@ def checks(r: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         same = all(q["same_evidence"] for q in d["rounds"])
         rows += [
-            [f"{dtype}: question with evidence (batched search)",
+            [f"{dtype}: question with evidence ({d['rounds'][0]['ask_candidates']} candidates)",
              f"{d['ask_evidence_ms'] / 1e3:.1f} s", f"<= {TARGET_QUESTION_S:.0f} s at 0.8B",
              verdict(d["ask_evidence_ms"] <= TARGET_QUESTION_S * 1e3) if at_0_8b
              else "n/a (not the 0.8B config)"],
@@ -346,14 +362,22 @@ def report(r: dict[str, Any]) -> str:
     body = md_table(["dtype", "tokens / chunk", "forward ms", "real-time factor",
                      "signal ms (of forward)", "eviction ms / event (of forward)", "events",
                      "max KV", "RSS MiB, first eviction -> end"], rows)
-    questions = []
+    asks, questions = [], []
     for dtype, d in r["dtypes"].items():
         for q in d["rounds"]:
-            old_peak, new_peak = (q[f"{p}_peak_rss_bytes"] for p in ("old", "new"))
-            questions.append([
+            old_peak, new_peak, estimate_peak = (q[f"{p}_peak_rss_bytes"]
+                                                 for p in ("old", "new", "estimate"))
+            asks.append([
                 dtype, f"{q['question_tokens']} + {q['answer_tokens']}", q["kv_tokens"],
-                f"{q['ask_ms'] / 1e3:.1f}", f"{q['ask_evidence_ms'] / 1e3:.1f}",
-                f"{q['ask_evidence_old_ms'] / 1e3:.1f}", q["candidates"],
+                f"{q['ask_ms'] / 1e3:.1f}",
+                f"{q['ask_evidence_ms'] / 1e3:.1f} ({q['ask_candidates']})",
+                f"{q['ask_evidence_full_ms'] / 1e3:.1f} ({q['ask_full_candidates']})",
+                f"{q['ask_evidence_full_ms'] / q['ask_evidence_ms']:.2f}x",
+                f"{q['estimate_search_ms'] / 1e3:.1f}",
+                "n/a" if estimate_peak is None else f"{estimate_peak / mib:.0f}",
+                f"{q['estimate_bytes_estimate'] / mib:.0f}"])
+            questions.append([
+                dtype, f"{q['ask_evidence_old_ms'] / 1e3:.1f}", q["candidates"],
                 f"{q['old_search_ms'] / 1e3:.1f}", f"{q['new_search_ms'] / 1e3:.1f}",
                 f"{q['old_search_ms'] / q['new_search_ms']:.1f}x",
                 f"{q['rows_per_batch']} x {q['batches']}",
@@ -370,9 +394,12 @@ def report(r: dict[str, Any]) -> str:
              "policy's own chunks; medians):\n\n" + md_table(
                  ["dtype", "policy", "signal ms / chunk", "of forward", "x deltas",
                   "eviction ms / event", "of forward", "x deltas", "events"], signals))
-    body += "\n" + (not questions and "No question rounds (--questions 0).\n" or md_table(
+    body += "\n" + (not asks and "No question rounds (--questions 0).\n" or md_table(
         ["dtype", "question + answer tokens", "KV", "ask s (no evidence)",
-         "ask s (evidence, batched)", "ask s (evidence, old: no evidence + old search)",
+         "ask s, evidence (candidates)", "ask s, evidence (full candidates)", "full / node's",
+         "estimate s", "estimate peak RSS MiB", "estimate plan MiB"], asks)
+        + "\nThe searches alone, on the same answer:\n\n" + md_table(
+        ["dtype", "ask s (evidence, old: no evidence + old search)",
          "candidates", "old search s", "batched search s", "speed-up", "rows x batches",
          "old search peak RSS MiB", "batched peak RSS MiB", "batch estimate MiB",
          "max |drop difference|", "same ranking"], questions))

@@ -12,7 +12,12 @@ import torch
 
 from .backend import Backend
 from .config import MemoryConfig, question_problem
-from .evidence_forward import EVIDENCE_BATCH_BYTES, answer_log_probs, evidence_rows
+from .evidence_forward import (
+    EVIDENCE_BATCH_BYTES,
+    answer_log_probs,
+    evidence_rows,
+    gate_gradients,
+)
 from .recall import choose_recall, recall_scores
 from .slot_table import SlotTable
 from .tiers import TierIndex
@@ -71,10 +76,11 @@ def decode(backend: Backend, hidden: torch.Tensor, position: int, limit: int,
 
 @dataclass
 class EvidenceSearch:
-    """How an answer's evidence is found: `count` chunks reported, the `candidates` attended to
-    most tested by leaving each out (0: attention mass only); restore() puts the backend back
-    as it was before the question (before the test); `batch_bytes` bounds each batched forward
-    of the test (`leave_one_out_batched`)."""
+    """How an answer's evidence is found: `count` chunks reported; the `candidates` whose
+    leave-one-out drop is estimated largest (`estimated_drops`) tested by leaving each out
+    (0: attention mass only); restore() puts the backend back as it was before the question
+    (before the estimate and the test); `batch_bytes` bounds each batched forward of the test
+    (`leave_one_out_batched`)."""
 
     count: int
     candidates: int
@@ -105,13 +111,32 @@ def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position
                                      deadline, on_token, cancelled)
     if visible is not None:  # back to one entry per slot of the whole cache
         mass = torch.zeros(kv_tokens).index_copy_(0, visible, mass)
-    attended = evidence_chunks(slots, mass, max(evidence.candidates, evidence.count), allowed)
-    if not generated or not evidence.candidates or stop == "cancelled":
-        return generated, attended[:evidence.count], stop
+    attended = evidence_chunks(slots, mass, evidence.count, allowed)
+    if (not generated or not evidence.candidates or stop == "cancelled"
+            or time.perf_counter() > deadline or cancelled is not None and cancelled()):
+        return generated, attended, stop
     evidence.restore()
-    drops = leave_one_out_batched(backend, slots, ids, generated, position, attended, allowed,
-                                  deadline, cancelled, evidence.batch_bytes)
-    return generated, by_drop(attended, drops)[:evidence.count], stop
+    estimates = estimated_drops(backend, slots, ids, generated, position, allowed)
+    ranked = sorted(estimates, key=estimates.__getitem__, reverse=True)
+    drops = leave_one_out_batched(backend, slots, ids, generated, position,
+                                  ranked[:evidence.candidates], allowed, deadline, cancelled,
+                                  evidence.batch_bytes)
+    return generated, by_drop(ranked, drops)[:evidence.count], stop
+
+
+def estimated_drops(backend: Backend, slots: SlotTable, ids: list[int], answer: list[int],
+                    position: int, allowed: torch.Tensor | None) -> dict[int, float]:
+    """{held chunk the question saw (`allowed`): the first-order estimate of its leave-one-out
+    drop}, oldest first: its slots' `gate_gradients` summed. One forward and backward for every
+    chunk, where an exact drop costs a forward row each: it decides which candidates the exact
+    test spends its rows on (bench.evidence_candidates measures how well)."""
+    outside = (torch.zeros_like(slots.chunk, dtype=torch.bool) if allowed is None
+               else ~allowed)
+    gradient = gate_gradients(backend, ids, answer, position, outside)
+    held = (slots.chunk >= 0) & ~outside
+    chunks, slot_of = slots.chunk[held].unique(return_inverse=True)
+    per_chunk = torch.zeros(chunks.numel()).index_add_(0, slot_of, gradient[held])
+    return dict(zip(chunks.tolist(), per_chunk.tolist()))
 
 
 def leave_one_out_batched(backend: Backend, slots: SlotTable, ids: list[int], answer: list[int],

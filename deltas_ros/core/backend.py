@@ -125,9 +125,13 @@ class Backend:
     def log_prob(self, hidden: torch.Tensor, targets: list[int]) -> float:
         """log p of `targets` (L,), each predicted from the hidden state (1, L, hidden) before it:
         the sum of their log-softmax scores."""
+        return float(self.log_prob_tensor(hidden, targets))
+
+    def log_prob_tensor(self, hidden: torch.Tensor, targets: list[int]) -> torch.Tensor:
+        """`log_prob` as a 0-d float32 tensor, differentiable where `hidden` is."""
         scores = self.model.lm_head(hidden[0]).float().log_softmax(-1)
         picked = scores.gather(1, torch.tensor(targets, device=self.device)[:, None])
-        return float(picked.sum())
+        return picked.sum()
 
     def prefill_rows(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                      cache: DynamicCache) -> torch.Tensor:

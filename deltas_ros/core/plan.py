@@ -48,7 +48,12 @@ import torch
 
 from .chunks import ChunkBuilder
 from .config import DEFAULT_PIXEL_BUDGET, MemoryConfig, StreamConfig
-from .evidence_forward import EVIDENCE_BATCH_BYTES, evidence_batch_bytes, evidence_rows
+from .evidence_forward import (
+    EVIDENCE_BATCH_BYTES,
+    evidence_batch_bytes,
+    evidence_rows,
+    gate_pass_bytes,
+)
 from .kv_ops import EVIDENCE_SLICE_ELEMENTS
 from .loader import Qwen3_5Config, parameter_count, read_config, resolve_device, resolve_dtype
 from .recall import REPRESENTATIVES
@@ -321,11 +326,12 @@ def question_bytes(shape: Shape, inputs: PlanInputs, dtype_bytes: int) -> int:
 def evidence_search_bytes(config: Qwen3_5Config, inputs: PlanInputs, dtype: torch.dtype) -> int:
     """Above the resident terms while the evidence search runs (0 without candidates).
 
-    The candidates are rows of batched teacher-forced forwards of the question and the answer
-    over the question's view (M and any recalled slots) as it is, each row hiding one chunk by
-    the attention mask (one more row hides none): no K/V copy per candidate. As many rows go
-    into one forward as `evidence_batch_bytes` keeps within EVIDENCE_BATCH_BYTES (at least
-    one), and that forward's estimate is the peak.
+    First one forward and backward of the question and the answer over the question's view (M
+    and any recalled slots) estimates every chunk's drop (`gate_pass_bytes`). Then the
+    candidates are rows of batched teacher-forced forwards over the view as it is, each row
+    hiding one chunk by the attention mask (one more row hides none): no K/V copy per
+    candidate. As many rows go into one forward as `evidence_batch_bytes` keeps within
+    EVIDENCE_BATCH_BYTES (at least one). The two never overlap: the larger is the peak.
     """
     if not inputs.evidence_candidates:
         return 0
@@ -333,7 +339,8 @@ def evidence_search_bytes(config: Qwen3_5Config, inputs: PlanInputs, dtype: torc
     new = inputs.question_tokens + inputs.answer_tokens
     rows = evidence_rows(EVIDENCE_BATCH_BYTES, text, m, new, inputs.answer_tokens, dtype,
                          inputs.evidence_candidates + 1)
-    return evidence_batch_bytes(text, rows, m, new, inputs.answer_tokens, dtype)
+    return max(evidence_batch_bytes(text, rows, m, new, inputs.answer_tokens, dtype),
+               gate_pass_bytes(text, m, new, inputs.answer_tokens, dtype))
 
 
 def available_bytes(device: torch.device) -> int:

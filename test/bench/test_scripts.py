@@ -139,6 +139,9 @@ def test_real_size_smoke_runs_both_dtypes_on_the_cpu(tmp_path):
         (only,) = row["rounds"]
         assert only["candidates"] == 4 and only["same_evidence"] and only["batches"] == 1
         assert only["old_search_ms"] > 0 and only["new_search_ms"] > 0 and only["ask_ms"] > 0
+        assert (only["ask_candidates"], only["ask_full_candidates"]) == (2, 4)
+        assert only["ask_evidence_full_ms"] > 0 and only["estimate_search_ms"] > 0
+        assert only["estimate_bytes_estimate"] > 0
         assert only["ask_evidence_old_ms"] == only["ask_ms"] + only["old_search_ms"]
         # Every signal side by side on the full memory, DeltaS the unit.
         signals = row["signals"]
@@ -151,7 +154,7 @@ def test_real_size_smoke_runs_both_dtypes_on_the_cpu(tmp_path):
     assert len(verdicts) == 18 and verdicts["float32: evidence, batched vs old"] == "PASS"
     assert verdicts["float32: surprise signal, share of the forward"] == \
         "n/a (not the 0.8B config)"
-    assert verdicts["bfloat16: question with evidence (batched search)"] == \
+    assert verdicts["bfloat16: question with evidence (2 candidates)"] == \
         "n/a (not the 0.8B config)"
 
 

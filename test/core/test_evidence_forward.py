@@ -13,9 +13,15 @@ from engine_helpers import TINY_FRAMES, assert_same_state, feed, frozen
 from transformers import AutoModelForImageTextToText
 
 from deltas_ros.core import asking
-from deltas_ros.core.asking import by_drop, leave_one_out_batched
-from deltas_ros.core.asking_reference import leave_one_out
-from deltas_ros.core.evidence_forward import branch_mask, evidence_batch_bytes, evidence_rows
+from deltas_ros.core.asking import by_drop, estimated_drops, leave_one_out_batched
+from deltas_ros.core.asking_reference import estimated_drops_by_differences, leave_one_out
+from deltas_ros.core.evidence_forward import (
+    answer_log_probs,
+    biased_log_prob,
+    branch_mask,
+    evidence_batch_bytes,
+    evidence_rows,
+)
 from deltas_ros.core.kv_ops_reference import gather_cache
 from deltas_ros.core.loader import LoadedModel
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
@@ -222,3 +228,65 @@ def test_the_batch_is_as_large_as_the_bound_allows(tiny_model):
     assert evidence_rows(sizes[9] - 1, text, 8192, 40, 16, torch.bfloat16, 33) == 9
     assert evidence_rows(sizes[-1] * 2, text, 8192, 40, 16, torch.bfloat16, 33) == 33
     assert evidence_rows(1, text, 8192, 40, 16, torch.bfloat16, 33) == 1  # always progress
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_the_drop_estimates_are_the_slopes_of_log_p_and_leave_the_memory_as_it_was(memory,
+                                                                                 windowed):
+    """One backward gives every chunk's d log p / d (a bias on its slots' attention logits):
+    what central differences of two forwards a chunk give; a window leaves its outside out."""
+    ids = memory.layout.question_ids(memory.tokenizer, "What color was the ball?")
+    answer = memory.tokenizer.encode(" a red ball", add_special_tokens=False)
+    allowed = asking.window_slots(memory.slots, 1.0, 4.5) if windowed else None
+    before = frozen(memory)
+    with torch.inference_mode():
+        estimates = estimated_drops(memory.backend, memory.slots, ids, answer,
+                                    memory.next_position, allowed)
+        expected = estimated_drops_by_differences(memory.backend, memory.slots, ids, answer,
+                                                  memory.next_position, allowed)
+    assert_same_state(frozen(memory), before)
+    assert list(estimates) == list(expected) == ([1, 2, 3, 4] if windowed else list(range(6)))
+    scale = max(abs(v) for v in expected.values())
+    for c in expected:
+        assert estimates[c] == pytest.approx(expected[c], abs=3e-3 * scale), c
+    assert len({round(v / scale, 3) for v in estimates.values()}) > 1  # the chunks do differ
+
+
+def test_the_unbiased_log_prob_is_the_search_rows(memory):
+    """`biased_log_prob` at bias 0 is the first row of the exact test's forward."""
+    ids = memory.layout.question_ids(memory.tokenizer, "What color was the ball?")
+    answer = memory.tokenizer.encode(" a red ball", add_special_tokens=False)
+    hidden = torch.zeros(memory.kv_tokens, dtype=torch.bool)
+    with torch.inference_mode():
+        row = answer_log_probs(memory.backend, ids, answer, memory.next_position, hidden[None])
+        alone = biased_log_prob(memory.backend, ids, answer, memory.next_position, hidden,
+                                torch.zeros(memory.kv_tokens))
+    assert float(alone) == pytest.approx(row[0], abs=1e-5)
+
+
+def test_the_search_tests_the_candidates_estimated_first(tiny_model, monkeypatch):
+    """With 2 candidates only the two chunks of largest estimated drop are tested; the rest
+    follow in the estimates' order."""
+    tested, estimated = [], []
+
+    def recording_test(*args):
+        tested.append(args[5])
+        return leave_one_out_batched(*args)
+
+    def recording_estimates(*args):
+        estimated.append(estimated_drops(*args))
+        return estimated[-1]
+
+    monkeypatch.setattr(asking, "leave_one_out_batched", recording_test)
+    monkeypatch.setattr(asking, "estimated_drops", recording_estimates)
+    memory = StreamingMemory(tiny_model, MemoryConfig(
+        budget_tokens=10_000, window_tokens=8, max_new_tokens=4, evidence_chunks=CHUNKS,
+        evidence_candidates=2, **TINY_FRAMES))
+    feed(memory, range(CHUNKS))
+    before = frozen(memory)
+    report = memory.ask("What color was the ball?")
+    assert_same_state(frozen(memory), before)
+    ranked = sorted(estimated[0], key=estimated[0].__getitem__, reverse=True)
+    assert tested == [ranked[:2]]
+    assert report.evidence_times[2:] == [c + 0.25 for c in ranked[2:]]
+    assert sorted(report.evidence_times[:2]) == sorted(c + 0.25 for c in ranked[:2])
