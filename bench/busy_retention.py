@@ -26,7 +26,7 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -67,12 +67,16 @@ def position(events: list[dict], question: str, seconds: float) -> str:
 
 
 def busy_streams(args: argparse.Namespace, probe: StreamingMemory,
+                 skip: Collection[tuple[int, int]] = (),
                  ) -> Iterator[tuple[int, int, list, list[dict], int]]:
     """(seconds, seed, chunks, events, tokens with the chat prefix) per held-out busy stream of
     --objects objects (--hour, where a benchmark has it: the hour world's, per 5-minute part),
-    for each --seconds length and --streams seeds from --first-seed."""
+    for each --seconds length and --streams seeds from --first-seed, but the (seconds, seed)
+    in `skip` (a resumed run's finished streams: never rendered)."""
     for seconds in args.seconds:
         for seed in range(args.first_seed, args.first_seed + args.streams):
+            if (seconds, seed) in skip:
+                continue
             scene = held_out_scene(args, seconds, seed)
             chunks = sampled_chunks(scene)
             tokens = probe.kv_tokens + sum(chunk_tokens(probe, chunks))

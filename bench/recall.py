@@ -189,9 +189,7 @@ def evaluate(args: argparse.Namespace, loaded: LoadedModel, records_path: Path) 
     per_token = kv_bytes_per_token(loaded)
     done = streams_done(records_path, args.resume)
     with records_path.open("a") as out:
-        for seconds, seed, chunks, events, tokens in busy_streams(args, probe):
-            if (seconds, seed) in done:
-                continue
+        for seconds, seed, chunks, events, tokens in busy_streams(args, probe, skip=done):
             qas = [qa for kind, qa in busy_questions(events, seed, args.hour)
                    if kind.startswith("seen")]
             host_mb = HOST_SLACK * tokens * per_token / 2**20 + 1
