@@ -85,7 +85,7 @@ class MemoryConfig:
     pixel_budget: int = DEFAULT_PIXEL_BUDGET
     max_new_tokens: int = 64
     evidence_chunks: int = 3
-    evidence_candidates: int = 32
+    evidence_candidates: int = 4
     compact_margin: int = 4096
     max_question_tokens: int = 2048
     max_answer_tokens: int = 4096

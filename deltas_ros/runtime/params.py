@@ -85,8 +85,9 @@ PARAMS: tuple[Param, ...] = (
     Param("evidence_chunks", MemoryConfig.evidence_chunks,
           "Chunks reported as an answer's evidence", low=1, high=64),
     Param("evidence_candidates", MemoryConfig.evidence_candidates,
-          "Chunks the answer attended to most that are each left out once to find the ones it "
-          "needs (one forward each; 0: attention mass only)", low=0, high=1024),
+          "Chunks of largest estimated drop (one forward and backward for all) that are each "
+          "left out once to find the ones the answer needs (a forward row each; 0: attention "
+          "mass only)", low=0, high=1024),
     Param("queue_chunks", StreamConfig.queue_chunks,
           "Chunks waiting for the model at most; beyond it the oldest are dropped and counted",
           low=1, high=1000),
