@@ -14,9 +14,11 @@ from .backend import Backend
 from .config import MemoryConfig, question_problem
 from .evidence_forward import (
     EVIDENCE_BATCH_BYTES,
+    GATE_PASS_BYTES,
     answer_log_probs,
     evidence_rows,
     gate_gradients,
+    gate_pass_bytes,
 )
 from .recall import choose_recall, recall_scores
 from .slot_table import SlotTable
@@ -80,12 +82,15 @@ class EvidenceSearch:
     leave-one-out drop is estimated largest (`estimated_drops`) tested by leaving each out
     (0: attention mass only); restore() puts the backend back as it was before the question
     (before the estimate and the test); `batch_bytes` bounds each batched forward of the test
-    (`leave_one_out_batched`)."""
+    (`leave_one_out_batched`); an estimate that would hold more than `estimate_bytes`
+    (`gate_pass_bytes`: a long answer) is skipped, and the candidates are those the answer
+    attended to most."""
 
     count: int
     candidates: int
     restore: Callable[[], None]
     batch_bytes: int = EVIDENCE_BATCH_BYTES
+    estimate_bytes: int = GATE_PASS_BYTES
 
 
 def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position: int,
@@ -111,13 +116,16 @@ def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position
                                      deadline, on_token, cancelled)
     if visible is not None:  # back to one entry per slot of the whole cache
         mass = torch.zeros(kv_tokens).index_copy_(0, visible, mass)
-    attended = evidence_chunks(slots, mass, evidence.count, allowed)
+    attended = evidence_chunks(slots, mass, max(evidence.candidates, evidence.count), allowed)
     if (not generated or not evidence.candidates or stop == "cancelled"
             or time.perf_counter() > deadline or cancelled is not None and cancelled()):
-        return generated, attended, stop
+        return generated, attended[:evidence.count], stop
     evidence.restore()
-    estimates = estimated_drops(backend, slots, ids, generated, position, allowed)
-    ranked = sorted(estimates, key=estimates.__getitem__, reverse=True)
+    ranked = attended
+    if gate_pass_bytes(backend.model.config.text_config, kv_tokens, len(ids) + len(generated),
+                       len(generated), backend.dtype) <= evidence.estimate_bytes:
+        estimates = estimated_drops(backend, slots, ids, generated, position, allowed)
+        ranked = sorted(estimates, key=estimates.__getitem__, reverse=True)
     drops = leave_one_out_batched(backend, slots, ids, generated, position,
                                   ranked[:evidence.candidates], allowed, deadline, cancelled,
                                   evidence.batch_bytes)

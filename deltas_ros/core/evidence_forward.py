@@ -17,6 +17,11 @@ from .backend import Backend
 # Bytes one batched evidence forward may hold at its peak (`evidence_rows`): about one copy of
 # the K/V at 9B and M = 8192 in bf16, what a search that copies the cache holds per candidate.
 EVIDENCE_BATCH_BYTES = 512 << 20
+# Bytes the drop estimate (`gate_gradients`) may hold at its peak (`gate_pass_bytes`): a 9B
+# model's at M = 8192 with a 64-token question and a 64-token answer (4.0 GiB) fits. A longer
+# answer keeps every layer's attention weights for the backward, which grow with its length:
+# beyond this the candidates are ranked by attention mass instead.
+GATE_PASS_BYTES = 5 << 30
 
 
 def answer_log_probs(backend: Backend, ids: list[int], answer: list[int], position: int,

@@ -50,6 +50,7 @@ from .chunks import ChunkBuilder
 from .config import DEFAULT_PIXEL_BUDGET, MemoryConfig, StreamConfig
 from .evidence_forward import (
     EVIDENCE_BATCH_BYTES,
+    GATE_PASS_BYTES,
     evidence_batch_bytes,
     evidence_rows,
     gate_pass_bytes,
@@ -331,7 +332,8 @@ def evidence_search_bytes(config: Qwen3_5Config, inputs: PlanInputs, dtype: torc
     candidates are rows of batched teacher-forced forwards over the view as it is, each row
     hiding one chunk by the attention mask (one more row hides none): no K/V copy per
     candidate. As many rows go into one forward as `evidence_batch_bytes` keeps within
-    EVIDENCE_BATCH_BYTES (at least one). The two never overlap: the larger is the peak.
+    EVIDENCE_BATCH_BYTES (at least one). The two never overlap: the larger is the peak. An
+    estimate beyond GATE_PASS_BYTES (a long answer) is not run: the attention ranks instead.
     """
     if not inputs.evidence_candidates:
         return 0
@@ -339,8 +341,9 @@ def evidence_search_bytes(config: Qwen3_5Config, inputs: PlanInputs, dtype: torc
     new = inputs.question_tokens + inputs.answer_tokens
     rows = evidence_rows(EVIDENCE_BATCH_BYTES, text, m, new, inputs.answer_tokens, dtype,
                          inputs.evidence_candidates + 1)
+    estimate = gate_pass_bytes(text, m, new, inputs.answer_tokens, dtype)
     return max(evidence_batch_bytes(text, rows, m, new, inputs.answer_tokens, dtype),
-               gate_pass_bytes(text, m, new, inputs.answer_tokens, dtype))
+               estimate if estimate <= GATE_PASS_BYTES else 0)
 
 
 def available_bytes(device: torch.device) -> int:

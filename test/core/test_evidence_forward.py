@@ -290,3 +290,31 @@ def test_the_search_tests_the_candidates_estimated_first(tiny_model, monkeypatch
     assert tested == [ranked[:2]]
     assert report.evidence_times[2:] == [c + 0.25 for c in ranked[2:]]
     assert sorted(report.evidence_times[:2]) == sorted(c + 0.25 for c in ranked[:2])
+
+
+def test_an_estimate_beyond_its_bound_leaves_the_ranking_to_the_attention(tiny_model,
+                                                                          monkeypatch):
+    """A long answer's estimate would hold every layer's attention weights at once: past
+    GATE_PASS_BYTES it is not run, and the candidates tested are those attended to most."""
+    tested = []
+
+    def recording_test(*args):
+        tested.append(args[5])
+        return leave_one_out_batched(*args)
+
+    def no_estimate(*_):
+        raise AssertionError("the estimate ran past its bound")
+
+    monkeypatch.setattr(asking, "leave_one_out_batched", recording_test)
+    monkeypatch.setattr(asking, "estimated_drops", no_estimate)
+    monkeypatch.setattr(asking, "gate_pass_bytes", lambda *_: asking.GATE_PASS_BYTES + 1)
+    reports = {}
+    for candidates in (0, 2):
+        memory = StreamingMemory(tiny_model, MemoryConfig(
+            budget_tokens=10_000, window_tokens=8, max_new_tokens=4, evidence_chunks=CHUNKS,
+            evidence_candidates=candidates, **TINY_FRAMES))
+        feed(memory, range(CHUNKS))
+        reports[candidates] = memory.ask("What color was the ball?")
+    attended = [round(t - 0.25) for t in reports[0].evidence_times]
+    assert tested == [attended[:2]]
+    assert reports[2].evidence_times[2:] == reports[0].evidence_times[2:]

@@ -17,6 +17,7 @@ import torch
 from engine_helpers import TINY_FRAMES, feed, frames_for
 from transformers import Qwen3_5ForConditionalGeneration
 
+from deltas_ros.core import evidence_forward
 from deltas_ros.core import plan as plan_module
 from deltas_ros.core.loader import read_config
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
@@ -107,6 +108,25 @@ def test_plan_command_gives_the_9b_kv_cache_and_states():
     rows = out.strip().splitlines()[2:]
     assert code == 1 and len(rows) == 8  # the 9B does not fit in 16 GiB
     assert rows[-1].startswith("| qwen3_5_9b | 9.41 B | 16384 |") and "| no (16.00 GiB) |" in out
+
+
+def test_the_evidence_term_counts_the_estimate_only_where_it_runs():
+    """A short answer's evidence search peaks at its drop estimate (every layer's activations
+    held for the backward); a long answer's estimate is past its bound and not run, so only
+    the batched test counts."""
+    config = read_config(MODELS / "qwen3_5_9b.json")
+    text, bf16 = config.text_config, torch.bfloat16
+    short = PlanInputs(budget_tokens=8192, question_tokens=24, answer_tokens=16)
+    estimate = evidence_forward.gate_pass_bytes(text, 8192, 40, 16, bf16)
+    assert estimate <= evidence_forward.GATE_PASS_BYTES
+    assert plan_module.evidence_search_bytes(config, short, bf16) == estimate
+    long = replace(short, answer_tokens=4096)
+    assert evidence_forward.gate_pass_bytes(text, 8192, 4120, 4096,
+                                            bf16) > evidence_forward.GATE_PASS_BYTES
+    rows = evidence_forward.evidence_rows(evidence_forward.EVIDENCE_BATCH_BYTES, text, 8192,
+                                          4120, 4096, bf16, long.evidence_candidates + 1)
+    assert plan_module.evidence_search_bytes(config, long, bf16) == \
+        evidence_forward.evidence_batch_bytes(text, rows, 8192, 4120, 4096, bf16)
 
 
 def test_the_plan_counts_what_the_engine_holds(tiny_model):
