@@ -207,7 +207,7 @@ def question_round(memory: StreamingMemory, args: argparse.Namespace) -> dict[st
         "batch_bytes_estimate": evidence_batch_bytes(text, rows, kv_before, tokens,
                                                      len(answer_ids), dtype),
         "estimate_bytes_estimate": gate_pass_bytes(text, kv_before, tokens, len(answer_ids),
-                                                   dtype),
+                                                   dtype, backend.device.type),
         "max_drop_difference": max((abs(drops["old"][c] - drops["new"][c])
                                     for c in candidates), default=0.0),
         "same_ranking": by_drop(candidates, drops["old"]) == by_drop(candidates, drops["new"]),

@@ -123,7 +123,8 @@ def answer_question(backend: Backend, slots: SlotTable, ids: list[int], position
     evidence.restore()
     ranked = attended
     if gate_pass_bytes(backend.model.config.text_config, kv_tokens, len(ids) + len(generated),
-                       len(generated), backend.dtype) <= evidence.estimate_bytes:
+                       len(generated), backend.dtype,
+                       backend.device.type) <= evidence.estimate_bytes:
         estimates = estimated_drops(backend, slots, ids, generated, position, allowed)
         ranked = sorted(estimates, key=estimates.__getitem__, reverse=True)
     drops = leave_one_out_batched(backend, slots, ids, generated, position,

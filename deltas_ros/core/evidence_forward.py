@@ -157,18 +157,22 @@ def evidence_batch_bytes(text_config, rows: int, slots: int, tokens: int, answer
             + 2 * answer * text.vocab_size * 4)
 
 
-def gate_pass_bytes(text_config, slots: int, tokens: int, answer: int,
-                    dtype: torch.dtype) -> int:
+def gate_pass_bytes(text_config, slots: int, tokens: int, answer: int, dtype: torch.dtype,
+                    device_type: str) -> int:
     """An upper estimate of the bytes `gate_gradients` holds at its peak beyond the model and
-    the memory, for `tokens` tokens (the last `answer` scored) over `slots` cache slots: what
-    a memory plan counts for it beside the exact test's batches (they never overlap).
+    the memory, for `tokens` tokens (the last `answer` scored) over `slots` cache slots on a
+    `device_type` device: what a memory plan counts for it beside the exact test's batches
+    (they never overlap).
 
     Its forward is one row of `answer_log_probs`', but keeps for the backward what each layer
     needs, every layer at once (`full_layer_bytes`, `linear_layer_bytes`), with the mask, the
     hidden states and the MLP's of every layer, and the answer's logits; the backward holds one
-    layer's gradients of the same size on top.
+    layer's gradients of the same size on top. On the CPU what it keeps is float32 whatever the
+    dtype (the math attention upcasts its K/V, the norms their input), so there every term
+    counts 4 bytes an element: bfloat16 measured about as much as float32 (docs/robot.md).
     """
-    text, size = text_config, torch.finfo(dtype).bits // 8
+    text = text_config
+    size = 4 if device_type == "cpu" else torch.finfo(dtype).bits // 8
     keys, kinds = slots + tokens, list(text.layer_types)
     full, linear = full_layer_bytes(text, tokens, keys, size), linear_layer_bytes(text, 1,
                                                                                   tokens, size)

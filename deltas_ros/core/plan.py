@@ -324,8 +324,10 @@ def question_bytes(shape: Shape, inputs: PlanInputs, dtype_bytes: int) -> int:
             + 3 * 4 * logits)
 
 
-def evidence_search_bytes(config: Qwen3_5Config, inputs: PlanInputs, dtype: torch.dtype) -> int:
-    """Above the resident terms while the evidence search runs (0 without candidates).
+def evidence_search_bytes(config: Qwen3_5Config, inputs: PlanInputs, dtype: torch.dtype,
+                          device: torch.device) -> int:
+    """Above the resident terms while the evidence search runs on `device` (0 without
+    candidates).
 
     First one forward and backward of the question and the answer over the question's view (M
     and any recalled slots) estimates every chunk's drop (`gate_pass_bytes`). Then the
@@ -341,7 +343,7 @@ def evidence_search_bytes(config: Qwen3_5Config, inputs: PlanInputs, dtype: torc
     new = inputs.question_tokens + inputs.answer_tokens
     rows = evidence_rows(EVIDENCE_BATCH_BYTES, text, m, new, inputs.answer_tokens, dtype,
                          inputs.evidence_candidates + 1)
-    estimate = gate_pass_bytes(text, m, new, inputs.answer_tokens, dtype)
+    estimate = gate_pass_bytes(text, m, new, inputs.answer_tokens, dtype, device.type)
     return max(evidence_batch_bytes(text, rows, m, new, inputs.answer_tokens, dtype),
                estimate if estimate <= GATE_PASS_BYTES else 0)
 
@@ -396,7 +398,7 @@ def make_plan(config: Qwen3_5Config, inputs: PlanInputs, device: torch.device,
     chunk = chunk_forward_bytes(shape, inputs, tokens, patches, size)
     view = recall_bytes(shape, inputs, size)
     question = question_bytes(shape, inputs, size) + view
-    evidence = evidence_search_bytes(config, inputs, dtype) + view
+    evidence = evidence_search_bytes(config, inputs, dtype, device) + view
     peak = resident + max(chunk, question, evidence)
     free = available_bytes(device) if available is None else available
     seconds_per_chunk = inputs.frames_per_chunk / inputs.fps

@@ -9,6 +9,7 @@ import io
 import json
 import math
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,18 +116,28 @@ def test_the_evidence_term_counts_the_estimate_only_where_it_runs():
     held for the backward); a long answer's estimate is past its bound and not run, so only
     the batched test counts."""
     config = read_config(MODELS / "qwen3_5_9b.json")
-    text, bf16 = config.text_config, torch.bfloat16
+    text, bf16, cuda = config.text_config, torch.bfloat16, torch.device("cuda")
     short = PlanInputs(budget_tokens=8192, question_tokens=24, answer_tokens=16)
-    estimate = evidence_forward.gate_pass_bytes(text, 8192, 40, 16, bf16)
+    estimate = evidence_forward.gate_pass_bytes(text, 8192, 40, 16, bf16, "cuda")
     assert estimate <= evidence_forward.GATE_PASS_BYTES
-    assert plan_module.evidence_search_bytes(config, short, bf16) == estimate
+    assert plan_module.evidence_search_bytes(config, short, bf16, cuda) == estimate
     long = replace(short, answer_tokens=4096)
-    assert evidence_forward.gate_pass_bytes(text, 8192, 4120, 4096,
-                                            bf16) > evidence_forward.GATE_PASS_BYTES
+    assert evidence_forward.gate_pass_bytes(text, 8192, 4120, 4096, bf16,
+                                            "cuda") > evidence_forward.GATE_PASS_BYTES
     rows = evidence_forward.evidence_rows(evidence_forward.EVIDENCE_BATCH_BYTES, text, 8192,
                                           4120, 4096, bf16, long.evidence_candidates + 1)
-    assert plan_module.evidence_search_bytes(config, long, bf16) == \
+    assert plan_module.evidence_search_bytes(config, long, bf16, cuda) == \
         evidence_forward.evidence_batch_bytes(text, rows, 8192, 4120, 4096, bf16)
+
+
+def test_the_estimate_counts_float32_work_on_the_cpu():
+    """On the CPU the estimate keeps float32 copies for its backward whatever the dtype, so
+    its bound in bfloat16 is float32's there; on a GPU it is the dtype's, and smaller."""
+    text = read_config(MODELS / "qwen3_5_0_8b.json").text_config
+    bound = partial(evidence_forward.gate_pass_bytes, text, 2048, 128, 64)
+    assert bound(torch.bfloat16, "cpu") == bound(torch.float32, "cpu")
+    assert bound(torch.bfloat16, "cuda") < bound(torch.float32, "cuda") == \
+        bound(torch.float32, "cpu")
 
 
 def test_the_plan_counts_what_the_engine_holds(tiny_model):
