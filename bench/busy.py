@@ -5,7 +5,8 @@ a robot sees many things, of the same kinds, some again and again. Before any re
 can be judged there, the model must answer with everything kept.
 
 How: held-out busy streams (scenes.BUSY with a fixed object count; seeds below
-train.VALIDATION_SEEDS, never used in training or model selection) of each --settings
+train.VALIDATION_SEEDS, never used in training or model selection; --validation: streams
+kept for choosing a training's settings instead) of each --settings
 OBJECTS:SECONDS (default 8 objects in 120 s and 12 in 300 s) run through `StreamingMemory`
 chunk by chunk with no eviction, then are asked, per stream:
 - "Did you see a <colour> <shape>?" about every object (seen: shown, the truth is yes) and, per
@@ -46,7 +47,7 @@ from deltas_ros.core.loader import (
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.training.palette import COLOURS, SHAPES, identities
 from deltas_ros.training.questions import QA, TEMPLATES, answer_for, identities_of, is_correct
-from deltas_ros.training.samples import VALIDATION_SEEDS, sampled_chunks
+from deltas_ros.training.samples import TRAIN_SEEDS, VALIDATION_SEEDS, sampled_chunks
 from deltas_ros.training.scenes import BUSY, HOUR, SceneStream
 
 from .answers import wilson
@@ -55,6 +56,8 @@ from .common import add_answers_args, finish, md_table, memory_config, run_answe
 KINDS = ("seen: shown", "seen: never shown", "colour: unique", "shape: unique",
          "colour: shared", "shape: shared")
 NEAR_NEGATIVE = 0.7  # share of negatives that share the shape or colour of a shown object
+# The busy world's validation streams (--validation): past the trainer's own (VALIDATION_SEEDS on).
+BUSY_VALIDATION = VALIDATION_SEEDS + 100_000
 
 
 def busy_questions(events: list[dict], seed: int, hour: bool = False) -> list[tuple[str, QA]]:
@@ -122,6 +125,19 @@ class BusyStream(NamedTuple):
               f"({time.perf_counter() - self.started:.1f} s)", flush=True)
 
 
+def stream_seeds(args: argparse.Namespace) -> range:
+    """--streams seeds from --first-seed: held-out ones (below VALIDATION_SEEDS), or with
+    --validation the busy world's validation streams (from BUSY_VALIDATION on, apart from the
+    trainer's own validation streams and below every training seed), to choose a training's
+    settings without looking at the held-out streams."""
+    base = BUSY_VALIDATION if getattr(args, "validation", False) else 0
+    seeds = range(base + args.first_seed, base + args.first_seed + args.streams)
+    if seeds and not base <= seeds[0] <= seeds[-1] < (TRAIN_SEEDS if base else VALIDATION_SEEDS):
+        raise ValueError(f"seeds {seeds[0]}-{seeds[-1]} leave the "
+                         f"{'validation' if base else 'evaluation'} range")
+    return seeds
+
+
 def busy_streams(args: argparse.Namespace, loaded: LoadedModel,
                  config: MemoryConfig) -> Iterator[BusyStream]:
     """Each of --streams held-out busy streams per --settings OBJECTS:SECONDS, streamed chunk by
@@ -129,9 +145,7 @@ def busy_streams(args: argparse.Namespace, loaded: LoadedModel,
     for objects, seconds in map(parse_setting, args.settings):
         options = replace(HOUR if getattr(args, "hour", False) else BUSY,
                           objects=(objects, objects))
-        for seed in range(args.first_seed, args.first_seed + args.streams):
-            if seed >= VALIDATION_SEEDS:
-                raise ValueError("evaluation seeds must stay below the validation seeds")
+        for seed in stream_seeds(args):
             started = time.perf_counter()
             scene = SceneStream(seconds, args.width, args.height, seed, options)
             memory = StreamingMemory(loaded, config)
@@ -195,11 +209,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--hour", action="store_true",
                         help="the hour world: OBJECTS objects of its own in every 5-min part")
+    parser.add_argument("--validation", action="store_true",
+                        help="validation streams instead of the held-out ones: for choosing a "
+                             "training's settings")
     add_answers_args(parser)
     args, results, records, _ = run_answers("busy", parser, argv, evaluate)
     results["table"] = table = aggregate(records)
     world = "hour" if args.hour else "busy"
-    title = (f"The {world} world with full memory: {Path(results['model']).name} on held-out "
+    kind = "validation" if args.validation else "held-out"
+    title = (f"The {world} world with full memory: {Path(results['model']).name} on {kind} "
              f"{world} streams")
     return finish(args.out, results, title, report(table, records))
 

@@ -4,6 +4,7 @@ busy stream, where an object sits in it and what it shares, and a smoke run of e
 from __future__ import annotations
 
 import json
+from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from bench_helpers import one_thread  # noqa: F401 (autouse)
 
 from bench import busy, busy_misses, busy_retention
 from deltas_ros.training.questions import identities_of
+from deltas_ros.training.samples import TRAIN_SEEDS, VALIDATION_SEEDS
 
 
 def test_questions_cover_every_object_and_unseen_pairs():
@@ -49,6 +51,19 @@ def test_busy_bench_runs(tmp_path):
     records = (tmp_path / "busy.jsonl").read_text().splitlines()
     assert all({"kind", "answer", "correct"} <= set(json.loads(r)) for r in records)
     assert "| seen: never shown |" in (tmp_path / "busy.md").read_text()
+
+
+def test_validation_streams_stay_apart_from_held_out_and_training_ones():
+    """--validation draws seeds no evaluation and no training draws; ranges that leave their
+    side are refused."""
+    held_out = busy.stream_seeds(Namespace(first_seed=3, streams=2))
+    validation = busy.stream_seeds(Namespace(first_seed=3, streams=2, validation=True))
+    assert list(held_out) == [3, 4]
+    assert VALIDATION_SEEDS <= busy.BUSY_VALIDATION + 3 == validation[0] < TRAIN_SEEDS
+    with pytest.raises(ValueError, match="evaluation range"):
+        busy.stream_seeds(Namespace(first_seed=VALIDATION_SEEDS - 1, streams=2))
+    with pytest.raises(ValueError, match="validation range"):
+        busy.stream_seeds(Namespace(first_seed=TRAIN_SEEDS, streams=1, validation=True))
 
 
 def test_an_object_is_placed_where_it_was_last_in_view():
