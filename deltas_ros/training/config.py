@@ -61,6 +61,13 @@ class VisionPretrain:
     lr: float = 3e-3
     empty: float = 0.25  # share of chunks that show no object
     tied: bool = False  # classify against the words' input embeddings (VisionHead)
+    # Steps that train the head alone, the tower frozen, before the tower moves: a random head's
+    # gradients distort the features that a continued model's language model already reads.
+    head_steps: int = 0
+    # Weight of a loss that holds the tower's tokens for today's identities (and empty chunks)
+    # where the tower the run started from put them (relative squared error), so that a
+    # continuation learns new identities without moving what the language model reads.
+    keep: float = 0.0
 
 
 @dataclass

@@ -29,6 +29,7 @@ Checkpoints go to OUT/checkpoint.pt every few minutes and at the end; `--resume`
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -215,6 +216,9 @@ class Trainer:
                          *self.vision_head.parameters()]},
              {"params": [embeddings] if tied else [], "weight_decay": 0.0}],
             lr=cfg.vision_pretrain.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        # the tower as the run starts (the init's), before a checkpoint replaces it
+        self.initial_tower = copy.deepcopy(self.model.model.visual).eval().requires_grad_(False) \
+            if cfg.vision_pretrain.keep else None
         self.vision_steps = 0
         self.step, self.elapsed_s, self.best = 0, 0.0, -1.0
         self.stage_index, self.stage_start = 0, 0
@@ -261,10 +265,15 @@ class Trainer:
         shapes, colours = (torch.tensor([s[i] for s in samples], device=self.device)
                            for i in (2, 3))
         self.model.train()
-        tokens = self.model.model.visual(pixels, grid_thw=grids).pooler_output
-        pooled = tokens.view(len(samples), -1, tokens.shape[-1]).mean(1)  # equal-sized chunks
-        shape_logits, colour_logits = self.vision_head(pooled)
+        head_only = self.vision_steps < cfg.vision_pretrain.head_steps
+        with torch.set_grad_enabled(not head_only):
+            tokens = self.model.model.visual(pixels, grid_thw=grids).pooler_output
+        tokens = tokens.view(len(samples), -1, tokens.shape[-1])  # (B, tokens, hidden): equal
+        shape_logits, colour_logits = self.vision_head(tokens.mean(1))
         loss = F.cross_entropy(shape_logits, shapes) + F.cross_entropy(colour_logits, colours)
+        if self.initial_tower is not None and not head_only:
+            loss = loss + cfg.vision_pretrain.keep * self._moved(pixels, grids, tokens,
+                                                                 shapes, colours)
         self.vision_optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.model.visual.parameters(), cfg.clip)
@@ -272,6 +281,20 @@ class Trainer:
         self.vision_steps += 1
         return (loss.item(), (shape_logits.argmax(1) == shapes).tolist(),
                 (colour_logits.argmax(1) == colours).tolist())
+
+    def _moved(self, pixels: torch.Tensor, grids: torch.Tensor, tokens: torch.Tensor,
+               shapes: torch.Tensor, colours: torch.Tensor) -> torch.Tensor:
+        """How far the tower moved the tokens (B, tokens, hidden) of the chunks that show one of
+        today's identities or nothing, from where the initial tower put them: squared error over
+        the initial tokens' squared norm, averaged over those chunks (0 if none)."""
+        with torch.no_grad():
+            before = self.initial_tower(pixels, grid_thw=grids).pooler_output.view_as(tokens)
+        empty = shapes == len(identities(self.cfg.extended)[1])
+        today = (shapes < len(SHAPES)) & (colours < len(COLOURS)) | empty
+        if not today.any():
+            return tokens.new_zeros(())
+        moved = (tokens - before).square().sum((1, 2)) / before.square().sum((1, 2))
+        return moved[today].mean()
 
     def train_step(self) -> tuple[float, list[QA], list[bool]]:
         cfg = self.cfg

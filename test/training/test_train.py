@@ -117,6 +117,33 @@ def test_the_vision_phase_trains_the_tower_and_only_tied_the_words(tmp_path, tie
     assert changed == (words if tied else [])
 
 
+def test_the_head_learns_alone_first_and_keep_holds_todays_identities(tmp_path):
+    """During `head_steps` only the head moves; after them the tower does too, and `keep` adds
+    how far the tower moved the tokens of today's identities and of empty chunks, not of the
+    hour world's new ones."""
+    vision = VisionPretrain(steps=2, batch=4, head_steps=1, keep=1.0)
+    hour = [Stage.from_mapping({"until_step": 10**9, "seconds": [2, 4], "extended": True})]
+    cfg = TrainConfig(**TINY | {"vision_pretrain": vision, "stages": hour})
+    trainer = Trainer(cfg, tmp_path / "run")
+    tower = trainer.model.model.visual
+    patch, head = (m.weight.detach().clone()
+                   for m in (tower.patch_embed.proj, trainer.vision_head.linear))
+    trainer.vision_step()
+    assert torch.equal(patch, tower.patch_embed.proj.weight)
+    assert not torch.equal(head, trainer.vision_head.linear.weight)
+    samples = [vision_sample(trainer.builder, trainer.cfg, VISION_SEEDS + s) for s in range(4)]
+    pixels, grids = (torch.cat([s[i] for s in samples]) for i in (0, 1))
+    tokens = tower(pixels, grid_thw=grids).pooler_output.view(4, -1, tower.config.out_hidden_size)
+    today = torch.tensor([0, 1, 5, 2]), torch.tensor([0, 7, 12, 3])  # 5 and 12: nothing shown
+    assert trainer._moved(pixels, grids, tokens, *today) == 0  # not moved yet
+    trainer.vision_step()
+    assert not torch.equal(patch, tower.patch_embed.proj.weight)
+    tokens = tower(pixels, grid_thw=grids).pooler_output.view_as(tokens)
+    assert trainer._moved(pixels, grids, tokens, *today) > 0
+    new = torch.tensor([3, 4, 0, 1]), torch.tensor([0, 1, 8, 11])  # diamond, cross; purple, teal
+    assert trainer._moved(pixels, grids, tokens, *new) == 0
+
+
 def test_train_checkpoint_export_and_resume(tmp_path):
     """Two steps (after the vision phase's two), resumed for a third, give the weights of three
     steps straight; the exported model loads through from_pretrained and carries its pixel
