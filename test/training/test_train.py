@@ -128,15 +128,18 @@ def test_the_head_learns_alone_first_and_keep_holds_todays_identities(tmp_path):
     tower = trainer.model.model.visual
     patch, head = (m.weight.detach().clone()
                    for m in (tower.patch_embed.proj, trainer.vision_head.linear))
+    moved, calls = trainer._moved, []
+    trainer._moved = lambda *args: calls.append(args) or moved(*args) + 100.0  # seen in the loss
     trainer.vision_step()
-    assert torch.equal(patch, tower.patch_embed.proj.weight)
+    assert torch.equal(patch, tower.patch_embed.proj.weight) and not calls
     assert not torch.equal(head, trainer.vision_head.linear.weight)
     samples = [vision_sample(trainer.builder, trainer.cfg, VISION_SEEDS + s) for s in range(4)]
     pixels, grids = (torch.cat([s[i] for s in samples]) for i in (0, 1))
     tokens = tower(pixels, grid_thw=grids).pooler_output.view(4, -1, tower.config.out_hidden_size)
     today = torch.tensor([0, 1, 5, 2]), torch.tensor([0, 7, 12, 3])  # 5 and 12: nothing shown
-    assert trainer._moved(pixels, grids, tokens, *today) == 0  # not moved yet
-    trainer.vision_step()
+    assert moved(pixels, grids, tokens, *today) == 0  # not moved yet
+    assert trainer.vision_step()[0] > 100 and len(calls) == 1  # keep * moved joins the loss
+    del trainer._moved
     assert not torch.equal(patch, tower.patch_embed.proj.weight)
     tokens = tower(pixels, grid_thw=grids).pooler_output.view_as(tokens)
     assert trainer._moved(pixels, grids, tokens, *today) > 0
