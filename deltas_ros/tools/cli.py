@@ -19,6 +19,7 @@
                    [--max-new-tokens N] [--timeout 120] [--wait-idle]
     deltas-ros train [--config config/train_tiny.yaml] [--out out/train] [--resume]
                      [--device cpu|cuda] [--seed N] [--max-minutes M] [--max-steps N]
+                     [--export NAME]
 """
 
 from __future__ import annotations
@@ -240,6 +241,10 @@ def train_command(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig.from_file(args.config, seed=args.seed, max_minutes=args.max_minutes,
                                 max_steps=args.max_steps, threads=args.threads)
+    if args.export:  # a running or stopped run's weights, to evaluate them where they stand
+        trainer = Trainer(cfg, args.out, args.device, resume=True)
+        print(f"step {trainer.step}'s weights in {trainer.export({}, args.export)}")
+        return 0
     model = Trainer(cfg, args.out, args.device, args.resume).run()
     print(f"model in {model}")
     return 0
@@ -440,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-minutes", type=float, help="override the config's time limit")
     train.add_argument("--max-steps", type=int, help="override the config's step limit")
     train.add_argument("--threads", type=int, help="override the config's torch threads")
+    train.add_argument("--export", metavar="NAME",
+                       help="write OUT/checkpoint.pt's weights to OUT/NAME (a model directory) "
+                            "and stop, training nothing")
     train.set_defaults(run=train_command)
     return parser
 

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from deltas_ros.core.chunks import ChunkBuilder
 from deltas_ros.core.kernels import gated_delta_forward, linear_attention_modules
 from deltas_ros.core.loader import LoadedModel, load_model, resolve_pixel_budget
 from deltas_ros.core.memory import MemoryConfig, StreamingMemory
 from deltas_ros.core.prompt import ChatLayout
+from deltas_ros.tools.cli import main
 from deltas_ros.training.config import Stage, TrainConfig, VisionPretrain
 from deltas_ros.training.gated_delta import chunk_gated_delta_rule
 from deltas_ros.training.palette import COLOURS, SHAPES
@@ -177,6 +179,21 @@ def test_train_checkpoint_export_and_resume(tmp_path):
     loaded = load_model(exported, "cpu")
     assert resolve_pixel_budget(0, exported) == TINY["pixel_budget"]
     assert loaded.model.config.text_config.layer_types.count("full_attention") == 2
+    # `deltas-ros train --export NAME` writes the checkpoint's weights and trains nothing
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(
+        {**{k: v for k, v in TINY.items() if k not in ("stages", "vision_pretrain")},
+         "stages": [{"until_step": 10**9, "seconds": [2, 4]}],
+         "vision_pretrain": {"steps": 2, "batch": 2}}))
+    command = ["train", "--config", str(config), "--out", str(tmp_path / "resumed")]
+    assert main([*command, "--export", "snapshot"]) == 0
+    snapshot = load_model(tmp_path / "resumed" / "snapshot", "cpu")
+    for (name, a), b in zip(resumed.model.state_dict().items(),
+                            snapshot.model.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["step"] == 3
+    command[-1] = str(tmp_path / "never")
+    assert main([*command, "--export", "snapshot"]) == 2  # nothing to export: a clear error
 
 
 def test_busy_config_continues_a_model_and_resumes(tmp_path):
