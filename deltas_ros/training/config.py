@@ -68,6 +68,9 @@ class VisionPretrain:
     # where the tower the run started from put them (relative squared error), so that a
     # continuation learns new identities without moving what the language model reads.
     keep: float = 0.0
+    # Held-out chunks the head classifies when the phase ends (train.log): which shapes and
+    # colours the tower still mixes up, before the language model has to tell them apart.
+    check: int = 512
 
 
 @dataclass

@@ -28,6 +28,7 @@ FRAMES_PER_CHUNK = StreamConfig.frames_per_chunk
 VALIDATION_SEEDS = 500_000
 TRAIN_SEEDS = 1_000_000
 VISION_SEEDS = 10**12  # the vision phase's scenes, apart from the streams'
+VISION_CHECK_SEEDS = VISION_SEEDS + 10**11  # its held-out check, past any run's steps
 
 
 @dataclass

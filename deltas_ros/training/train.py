@@ -70,6 +70,7 @@ from .questions import (
 from .samples import (
     TRAIN_SEEDS,
     VALIDATION_SEEDS,
+    VISION_CHECK_SEEDS,
     VISION_SEEDS,
     forward,
     loss_and_hits,
@@ -282,6 +283,32 @@ class Trainer:
         return (loss.item(), (shape_logits.argmax(1) == shapes).tolist(),
                 (colour_logits.argmax(1) == colours).tolist())
 
+    @torch.no_grad()
+    def vision_check(self, chunks: int) -> dict[str, Any]:
+        """The vision phase's head on `chunks` held-out chunks: accuracy per shape and per
+        colour ("none": no object), and how often each wrong (truth, answer) pair happened."""
+        cfg = self.cfg
+        colours, shapes = identities(cfg.extended)
+        names = ([*shapes, "none"], [*colours, "none"])
+        right: tuple[dict, dict] = ({n: [] for n in names[0]}, {n: [] for n in names[1]})
+        confused: dict[str, int] = {}
+        self.model.eval()
+        for first in range(0, chunks, cfg.vision_pretrain.batch):
+            samples = [vision_sample(self.builder, cfg, VISION_CHECK_SEEDS + i)
+                       for i in range(first, min(first + cfg.vision_pretrain.batch, chunks))]
+            pixels, grids = (torch.cat([s[i] for s in samples]).to(self.device) for i in (0, 1))
+            tokens = self.model.model.visual(pixels, grid_thw=grids).pooler_output
+            logits = self.vision_head(tokens.view(len(samples), -1, tokens.shape[-1]).mean(1))
+            for kind in (0, 1):
+                for sample, answer in zip(samples, logits[kind].argmax(1).tolist()):
+                    truth, said = names[kind][sample[2 + kind]], names[kind][answer]
+                    right[kind][truth].append(truth == said)
+                    if truth != said:
+                        confused[f"{truth}->{said}"] = confused.get(f"{truth}->{said}", 0) + 1
+        return {"shape": {n: float(np.mean(v)) for n, v in right[0].items() if v},
+                "colour": {n: float(np.mean(v)) for n, v in right[1].items() if v},
+                "confused": dict(sorted(confused.items(), key=lambda kv: -kv[1]))}
+
     def _moved(self, pixels: torch.Tensor, grids: torch.Tensor, tokens: torch.Tensor,
                shapes: torch.Tensor, colours: torch.Tensor) -> torch.Tensor:
         """How far the tower moved the tokens (B, tokens, hidden) of the chunks that show one of
@@ -406,6 +433,13 @@ class Trainer:
             for name, hits in zip(window, right):
                 window[name] = (window[name] + hits)[-400:]
             self._progress("vision", losses, window)
+        if losses and self.vision_steps == self.cfg.vision_pretrain.steps \
+                and self.cfg.vision_pretrain.check:  # the phase ended in this process
+            check = self.vision_check(self.cfg.vision_pretrain.check)
+            self.log(f"vision check ({self.cfg.vision_pretrain.check} held-out chunks): "
+                     + " ".join(f"{n}={a:.2f}" for kind in ("shape", "colour")
+                                for n, a in check[kind].items())
+                     + " confused " + " ".join(f"{k}:{v}" for k, v in check["confused"].items()))
 
     def _stream_phase(self) -> None:
         cfg = self.cfg

@@ -20,6 +20,7 @@ from deltas_ros.training.config import Stage, TrainConfig, VisionPretrain
 from deltas_ros.training.gated_delta import chunk_gated_delta_rule
 from deltas_ros.training.palette import COLOURS, SHAPES
 from deltas_ros.training.samples import (
+    VISION_CHECK_SEEDS,
     VISION_SEEDS,
     forward,
     make_batch,
@@ -36,7 +37,7 @@ TINY = dict(batch=2, questions=3, warmup=1, validation_streams=2, validation_sec
             log_every=1, width=64, height=48, pixel_budget=4096, max_minutes=600,
             checkpoint_minutes=600, validate_minutes=600, decay_fraction=0.0,
             stages=[Stage(10**9, seconds=(2, 4))],
-            vision_pretrain=VisionPretrain(steps=2, batch=2))
+            vision_pretrain=VisionPretrain(steps=2, batch=2, check=4))
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,29 @@ def test_the_vision_phase_trains_the_tower_and_only_tied_the_words(tmp_path, tie
     changed = (before != embeddings.detach()).any(1).nonzero().flatten().tolist()
     words = sorted(trainer.tokenizer.convert_tokens_to_ids(f" {w}") for w in (*SHAPES, *COLOURS))
     assert changed == (words if tied else [])
+
+
+def test_the_vision_check_scores_each_class_and_counts_confusions(tmp_path):
+    """A head that always says "circle" and "no colour": circle's accuracy is 1, every other
+    shape's 0, and each chunk of another shape or with a colour is counted as a confusion;
+    the phase logs the check when it ends."""
+    trainer = Trainer(TrainConfig(**TINY), tmp_path)
+    samples = [vision_sample(trainer.builder, trainer.cfg, VISION_CHECK_SEEDS + i)
+               for i in range(6)]
+    trainer.vision_head = lambda pooled: (
+        torch.eye(len(SHAPES) + 1)[[0] * len(pooled)],
+        torch.eye(len(COLOURS) + 1)[[len(COLOURS)] * len(pooled)])
+    check = trainer.vision_check(6)
+    shapes, colours = {SHAPES[s[2]] if s[2] < len(SHAPES) else "none" for s in samples}, \
+        {[*COLOURS, "none"][s[3]] for s in samples}
+    assert check["shape"] == {n: float(n == SHAPES[0]) for n in [*SHAPES, "none"] if n in shapes}
+    assert check["colour"] == {n: float(n == "none") for n in [*COLOURS, "none"]
+                               if n in colours}
+    assert sum(check["confused"].values()) == sum(s[2] != 0 for s in samples) + \
+        sum(s[3] != len(COLOURS) for s in samples)
+    Trainer(TrainConfig(**TINY, max_steps=1), tmp_path / "run").run()
+    assert "vision check (4 held-out chunks): circle=" in (tmp_path / "run" / "train.log"
+                                                            ).read_text()
 
 
 def test_the_head_learns_alone_first_and_keep_holds_todays_identities(tmp_path):
