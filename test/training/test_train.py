@@ -304,7 +304,7 @@ def test_the_hour_worlds_words_extend_the_shipped_model(tmp_path):
 
 def test_hour_config_continues_the_shipped_model_and_resumes(tmp_path):
     """config/train_hour.yaml loads and continues the shipped model with the hour world's words;
-    its last stage draws scenes.HOUR's streams and half its steps from the busy stage; a run
+    its last stage draws scenes.HOUR's streams and half its steps from today's busy world; a run
     through every stage (streams shortened) resumed for its last step equals one straight."""
     from deltas_ros.training.scenes import HOUR
 
@@ -314,6 +314,7 @@ def test_hour_config_continues_the_shipped_model_and_resumes(tmp_path):
     assert cfg.extended and cfg.init == "deltas_ros/models/scenes-tiny"
     last = cfg.stages[-1]
     assert replace(last.scenes, objects=HOUR.objects) == HOUR and last.mix == 0.5
+    assert not cfg.stages[last.mix_stage].scenes.extended  # the shipped model's world
     stages = [replace(s, seconds=(2, 3), until_step=k + 1, batch=min(s.batch, 2),
                       questions=min(s.questions, 2)) for k, s in enumerate(cfg.stages)]
     cfg = replace(cfg, stages=stages, vision_pretrain=VisionPretrain(steps=1, batch=2),
