@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .questions import FORMS
+from .questions import FORMS, NUMBERS
 from .scenes import SceneOptions
 
 # A stage's streams where it sets none of the scene options: one or two objects, no cuts and no
@@ -124,9 +124,17 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
         raw["stages"] = [Stage.from_mapping(s) for s in raw.get("stages", [])] or [Stage(10**9)]
+        forms = raw.get("forms") or cls.__dataclass_fields__["forms"].default_factory()
         for index, stage in enumerate(raw["stages"]):
             if set(stage.forms or {}) - set(FORMS):
                 raise ValueError(f"{path}: unknown question forms in {stage}")
+            # the last stage's streams are also validated with the config's forms
+            counted = (stage.forms or forms).get("count", 0) > 0 or \
+                (index == len(raw["stages"]) - 1 and forms.get("count", 0) > 0)
+            if counted and stage.scenes.objects[1] >= len(NUMBERS):
+                raise ValueError(f"{path}: stage {index}: \"how many\" has words up to "
+                                 f"{NUMBERS[-1]}, and its streams show up to "
+                                 f"{stage.scenes.objects[1]} objects")
             if stage.batch > raw.get("batch", cls.batch) or not \
                     (stage.mix == 0 or 0 <= stage.mix_stage < index):
                 raise ValueError(f"{path}: stage {index}: batch above the config's, or a mix "

@@ -324,3 +324,9 @@ def test_hour_config_continues_the_shipped_model_and_resumes(tmp_path):
     assert straight.stage_index == len(stages) - 1
     with pytest.raises(ValueError):
         TrainConfig.from_file(root / "config/train_hour.yaml", batch=1)  # below a stage's
+    many = tmp_path / "many.yaml"  # "how many" asked of more objects than it has words for
+    many.write_text("stages: [{until_step: 1, objects: [1, 20], shared: true}]\n")
+    with pytest.raises(ValueError, match="up to twelve"):
+        TrainConfig.from_file(many)
+    many.write_text("stages: [{until_step: 1, objects: [1, 12], shared: true}]\n")
+    assert TrainConfig.from_file(many).stages[0].scenes.objects == (1, 12)
