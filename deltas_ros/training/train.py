@@ -262,15 +262,11 @@ class Trainer:
         base = VISION_SEEDS + (cfg.seed * 10**7 + self.vision_steps) * cfg.vision_pretrain.batch
         samples = [vision_sample(self.builder, cfg, base + b)
                    for b in range(cfg.vision_pretrain.batch)]
-        pixels, grids = (torch.cat([s[i] for s in samples]).to(self.device) for i in (0, 1))
         shapes, colours = (torch.tensor([s[i] for s in samples], device=self.device)
                            for i in (2, 3))
         self.model.train()
         head_only = self.vision_steps < cfg.vision_pretrain.head_steps
-        with torch.set_grad_enabled(not head_only):
-            tokens = self.model.model.visual(pixels, grid_thw=grids).pooler_output
-        tokens = tokens.view(len(samples), -1, tokens.shape[-1])  # (B, tokens, hidden): equal
-        shape_logits, colour_logits = self.vision_head(tokens.mean(1))
+        pixels, grids, tokens, (shape_logits, colour_logits) = self._head(samples, head_only)
         loss = F.cross_entropy(shape_logits, shapes) + F.cross_entropy(colour_logits, colours)
         if self.initial_tower is not None and not head_only:
             loss = loss + cfg.vision_pretrain.keep * self._moved(pixels, grids, tokens,
@@ -282,6 +278,15 @@ class Trainer:
         self.vision_steps += 1
         return (loss.item(), (shape_logits.argmax(1) == shapes).tolist(),
                 (colour_logits.argmax(1) == colours).tolist())
+
+    def _head(self, samples: list, frozen_tower: bool = False) -> tuple:
+        """Vision samples through the tower and the head: (pixels, grid_thw, tokens (B, tokens,
+        hidden), (shape logits, colour logits)); frozen_tower: no gradient into the tower."""
+        pixels, grids = (torch.cat([s[i] for s in samples]).to(self.device) for i in (0, 1))
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen_tower):
+            tokens = self.model.model.visual(pixels, grid_thw=grids).pooler_output
+        tokens = tokens.view(len(samples), -1, tokens.shape[-1])  # (B, tokens, hidden): equal
+        return pixels, grids, tokens, self.vision_head(tokens.mean(1))
 
     @torch.no_grad()
     def vision_check(self, chunks: int) -> dict[str, Any]:
@@ -296,9 +301,7 @@ class Trainer:
         for first in range(0, chunks, cfg.vision_pretrain.batch):
             samples = [vision_sample(self.builder, cfg, VISION_CHECK_SEEDS + i)
                        for i in range(first, min(first + cfg.vision_pretrain.batch, chunks))]
-            pixels, grids = (torch.cat([s[i] for s in samples]).to(self.device) for i in (0, 1))
-            tokens = self.model.model.visual(pixels, grid_thw=grids).pooler_output
-            logits = self.vision_head(tokens.view(len(samples), -1, tokens.shape[-1]).mean(1))
+            logits = self._head(samples)[3]
             for kind in (0, 1):
                 for sample, answer in zip(samples, logits[kind].argmax(1).tolist()):
                     truth, said = names[kind][sample[2 + kind]], names[kind][answer]
