@@ -339,7 +339,9 @@ def add_answers_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--height", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--records", type=Path, help="answers file (JSON lines) to append to")
+    parser.add_argument("--records", type=Path,
+                        help="answers file (JSON lines) to append to (default: a new "
+                             "OUT/NAME.jsonl)")
     parser.add_argument("--report", type=Path, nargs="+",
                         help="only report these answers files (merged)")
 
@@ -404,6 +406,8 @@ def run_answers(name: str, parser: argparse.ArgumentParser, argv: list[str] | No
     if not args.report:
         loaded = load_model(model_path, "cpu")
         files[0].parent.mkdir(parents=True, exist_ok=True)
+        if not (args.records or hasattr(args, "resume")):  # --out: this run's answers alone
+            files[0].unlink(missing_ok=True)
         evaluate(args, loaded, files[0])
     records = [record for f in files for line in f.read_text().splitlines()
                if not (record := json.loads(line)).get(STREAM_DONE)]

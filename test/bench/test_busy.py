@@ -45,6 +45,8 @@ def test_questions_cover_every_object_and_unseen_pairs():
 
 @pytest.mark.slow  # streams through the shipped model
 def test_busy_bench_runs(tmp_path):
+    earlier = {"setting": "9:9", "seed": 0, "kind": "seen: shown", "correct": True}
+    (tmp_path / "busy.jsonl").write_text(json.dumps(earlier) + "\n")  # another run's answers
     busy.main(["--streams", "1", "--settings", "2:6", "--out", str(tmp_path)])
     table = json.loads((tmp_path / "busy.json").read_text())["table"]
     assert set(table) == {"2:6"} and "seen: shown" in table["2:6"]
