@@ -20,19 +20,24 @@ def attention_mass_of(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
     queries (1, heads, L, d) of the cache's last L entries; keys (1, kv_heads, S, d), S >= L.
     As eager attention computes it (logits in the model's dtype, softmax in float32, weights
     back in the model's dtype), but L is walked in slices of at most `slice_elements` logits,
-    so a long question needs bounded memory. `kv_ops_reference.attention_mass_reference`
-    is the one-shot version.
+    so a long question needs bounded memory. Each key head is read in place by its `groups`
+    query heads (one batched product a key head): a decoded token's mass costs no copy of the
+    cache, which repeating the keys per query head did (S x heads x d a layer, every token).
+    `kv_ops_reference.attention_mass_reference` is the one-shot version.
     """
-    heads, length, total = queries.shape[1], queries.shape[2], keys.shape[2]
-    keys = keys.repeat_interleave(groups, dim=1)
+    heads, length, dim = queries.shape[1:]
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    grouped = queries.reshape(kv_heads, groups, length, dim)
+    keys_t = keys[0].transpose(1, 2)  # (kv_heads, d, S), a view
     rows = max(1, slice_elements // (heads * total))
     mass = torch.zeros(slots, device=queries.device)
     for start in range(0, length, rows):
-        part = queries[..., start:start + rows, :]
-        logits = torch.matmul(part, keys.transpose(2, 3)) * scaling  # (1, H, r, S)
-        seen = total - length + start + torch.arange(part.shape[2], device=queries.device)
+        part = grouped[:, :, start:start + rows]
+        taken = part.shape[2]
+        logits = torch.bmm(part.reshape(kv_heads, groups * taken, dim), keys_t) * scaling
+        seen = total - length + start + torch.arange(taken, device=queries.device)
         hidden = torch.arange(total, device=queries.device)[None, :] > seen[:, None]
-        logits = logits.masked_fill(hidden, float("-inf"))
+        logits = logits.view(kv_heads, groups, taken, total).masked_fill(hidden, float("-inf"))
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
         mass += weights[..., :slots].float().sum((0, 1, 2))
     return mass

@@ -124,15 +124,17 @@ def _frames():
     return frames_for(0), [0.0, 0.5]
 
 
-@pytest.mark.parametrize("slice_rows", [1, 3, 1000])
-def test_sliced_attention_mass_equals_the_one_shot_reference(slice_rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("length", "slice_rows"), [(37, 1), (37, 3), (37, 1000), (1, 1)])
+def test_sliced_attention_mass_equals_the_one_shot_reference(length, slice_rows, dtype):
+    """Every slicing, a decoded token's single query (length 1) and the model's dtypes."""
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, length, total, dim = 4, 2, 37, 120, 32
-    queries = torch.randn(1, heads, length, dim, generator=gen)
-    keys = torch.randn(1, kv_heads, total, dim, generator=gen)
-    slots = total - length
-    one_shot = kv_ops_reference.attention_mass_reference(queries, keys, 0.17, 2, slots)
-    sliced = kv_ops.attention_mass_of(queries, keys, 0.17, 2, slots,
+    heads, kv_heads, total, dim = 6, 2, 120, 32
+    queries = torch.randn(1, heads, length, dim, generator=gen).to(dtype)
+    keys = torch.randn(1, kv_heads, total, dim, generator=gen).to(dtype)
+    slots = total - 37
+    one_shot = kv_ops_reference.attention_mass_reference(queries, keys, 0.17, 3, slots)
+    sliced = kv_ops.attention_mass_of(queries, keys, 0.17, 3, slots,
                                        slice_elements=slice_rows * heads * total)
     torch.testing.assert_close(sliced, one_shot, rtol=1e-6, atol=1e-6)
 
