@@ -301,3 +301,23 @@ def test_the_rebuilt_forward_equals_transformers_own_with_the_same_kernels(tiny_
     for ours, theirs in zip(outputs[0][:2], outputs[1][:2]):
         assert torch.equal(ours, theirs)
     assert all(torch.equal(a, b) for a, b in zip(outputs[0][2], outputs[1][2]))
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_a_decoding_step_equals_the_same_token_prefilled(tiny_model, window):
+    """`step` gives the full-attention layers an explicit all-visible mask on the CPU (SDPA's
+    faster path for one query); the hidden state is the one the plain prefill computes, also
+    while a question's window has gathered the slots it may see."""
+    memory = StreamingMemory(tiny_model, MemoryConfig(**TINY_FRAMES))
+    feed(memory, range(6))
+    backend, position = memory.backend, memory.next_position
+    visible = torch.arange(0, backend.kv_tokens, 2) if window else None
+    with torch.inference_mode():  # as the memory runs its forwards
+        with backend.visible_slots(visible), backend.undone():
+            stepped = backend.step(7, position)
+            length = backend.kv_tokens
+        with backend.visible_slots(visible), backend.undone():
+            prefilled = backend.prefill_text(torch.tensor([[7]]),
+                                             torch.full((3, 1, 1), position))
+            assert backend.kv_tokens == length
+    torch.testing.assert_close(stepped, prefilled, rtol=1e-5, atol=1e-5)
