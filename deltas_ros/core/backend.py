@@ -99,11 +99,13 @@ class Backend:
         return time.perf_counter()
 
     # ----------------------------------------------------------------------------- forward
-    def prefill_text(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """ids (1, L), positions (3, 1, L) through the language model; returns (1, L, hidden)."""
+    def prefill_text(self, ids: torch.Tensor, positions: torch.Tensor,
+                     masks: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """ids (1, L), positions (3, 1, L) through the language model; returns (1, L, hidden).
+        masks: {layer type: mask} given to the layers instead of the ones transformers makes."""
         out = self.model.model(input_ids=ids.to(self.device),
                                position_ids=positions.to(self.device),
-                               cache=self.cache, use_cache=True)
+                               attention_mask=masks, cache=self.cache, use_cache=True)
         return out.last_hidden_state
 
     def prefill_chunk(self, chunk: Chunk) -> None:
@@ -186,14 +188,10 @@ class Backend:
         against every cached slot about five times slower than the query packed onto its key
         heads, what transformers does under a mask (at M = 8192 in the 0.8B dimensions, ~16
         against ~3 ms a layer a token; bench.real_size)."""
-        if self.device.type != "cpu":
-            return self.prefill_text(torch.tensor([[token]]), torch.full((3, 1, 1), position))
-        mask = {"full_attention": torch.ones(1, 1, 1, self.kv_tokens + 1, dtype=torch.bool),
-                "linear_attention": None}
-        out = self.model.model(input_ids=torch.tensor([[token]]),
-                               position_ids=torch.full((3, 1, 1), position),
-                               attention_mask=mask, cache=self.cache, use_cache=True)
-        return out.last_hidden_state
+        masks = None if self.device.type != "cpu" else {
+            "full_attention": torch.ones(1, 1, 1, self.kv_tokens + 1, dtype=torch.bool),
+            "linear_attention": None}
+        return self.prefill_text(torch.tensor([[token]]), torch.full((3, 1, 1), position), masks)
 
     # ----------------------------------------------------------------------------- states
     def recurrent_states(self) -> list[torch.Tensor]:
