@@ -107,6 +107,9 @@ class TrainConfig:
     # initialization: same sizes and the same tokenizer. Relative paths are from the package's
     # parent ("deltas_ros/models/scenes-tiny" is the shipped model wherever one runs).
     init: str = ""
+    # Weight of a loss that holds the language model's layers (not its word rows) near the
+    # init's (relative squared distance), so that a continuation keeps what they already read.
+    lm_keep: float = 0.0
 
     @property
     def extended(self) -> bool:

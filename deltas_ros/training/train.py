@@ -220,6 +220,10 @@ class Trainer:
         # the tower as the run starts (the init's), before a checkpoint replaces it
         self.initial_tower = copy.deepcopy(self.model.model.visual).eval().requires_grad_(False) \
             if cfg.vision_pretrain.keep else None
+        # the language model's layers as the run starts (the init's), for `lm_keep`
+        self.initial_lm = [(p, p.detach().clone()) for name, p in
+                           self.model.model.language_model.named_parameters()
+                           if "embed" not in name] if cfg.lm_keep else []
         self.vision_steps = 0
         self.step, self.elapsed_s, self.best = 0, 0.0, -1.0
         self.stage_index, self.stage_start = 0, 0
@@ -339,6 +343,9 @@ class Trainer:
                            stage.questions or cfg.questions, stage.forms)
         self.model.train()
         loss, hits = loss_and_hits(forward(self.model, batch, self.device), batch)
+        if self.initial_lm:
+            moved = sum((p - p0).square().sum() for p, p0 in self.initial_lm)
+            loss = loss + cfg.lm_keep * moved / sum(p0.square().sum() for _, p0 in self.initial_lm)
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)

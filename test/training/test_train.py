@@ -330,3 +330,25 @@ def test_hour_config_continues_the_shipped_model_and_resumes(tmp_path):
         TrainConfig.from_file(many)
     many.write_text("stages: [{until_step: 1, objects: [1, 12], shared: true}]\n")
     assert TrainConfig.from_file(many).stages[0].scenes.objects == (1, 12)
+
+
+def test_lm_keep_holds_the_language_models_layers_near_the_init(tmp_path):
+    """`lm_keep` adds how far the language model's layers moved from the init's (relative
+    squared distance) to a step's loss; its word rows are free, and a resumed run measures from
+    the init, not from its checkpoint."""
+    plain = Trainer(TrainConfig(**TINY), tmp_path / "plain")
+    held = Trainer(TrainConfig(**TINY, lm_keep=1000.0), tmp_path / "held")
+    layers = {n: p.detach().clone() for n, p in
+              held.model.model.language_model.named_parameters() if "embed" not in n}
+    for trainer in (plain, held):
+        lm = trainer.model.model.language_model
+        with torch.no_grad():
+            lm.layers[0].mlp.down_proj.weight.add_(0.1)
+            lm.embed_tokens.weight.add_(1.0)  # word rows: not held
+    moved = 0.01 * lm.layers[0].mlp.down_proj.weight.numel()
+    expected = 1000.0 * moved / sum(float(p.square().sum()) for p in layers.values())
+    assert held.train_step()[0] - plain.train_step()[0] == pytest.approx(expected, rel=1e-3)
+    held.save()
+    resumed = Trainer(TrainConfig(**TINY, lm_keep=1000.0), tmp_path / "held", resume=True)
+    initial = dict(zip(layers, (p0 for _, p0 in resumed.initial_lm)))
+    assert all(torch.equal(initial[n], layers[n]) for n in layers)
