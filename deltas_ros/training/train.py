@@ -224,6 +224,7 @@ class Trainer:
         self.initial_lm = [(p, p.detach().clone()) for name, p in
                            self.model.model.language_model.named_parameters()
                            if "embed" not in name] if cfg.lm_keep else []
+        self.initial_lm_norm = sum(float(p0.square().sum()) for _, p0 in self.initial_lm)
         self.vision_steps = 0
         self.step, self.elapsed_s, self.best = 0, 0.0, -1.0
         self.stage_index, self.stage_start = 0, 0
@@ -345,7 +346,7 @@ class Trainer:
         loss, hits = loss_and_hits(forward(self.model, batch, self.device), batch)
         if self.initial_lm:
             moved = sum((p - p0).square().sum() for p, p0 in self.initial_lm)
-            loss = loss + cfg.lm_keep * moved / sum(p0.square().sum() for _, p0 in self.initial_lm)
+            loss = loss + cfg.lm_keep * moved / self.initial_lm_norm
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
